@@ -1,0 +1,3 @@
+"""checkpoint: TF object-graph checkpoints for varstate pytrees."""
+
+__all__: list[str] = []

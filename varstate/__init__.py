@@ -1,0 +1,47 @@
+"""varstate: TensorFlow's resource variables as functional JAX pytrees."""
+
+from varstate import optimizers
+from varstate._global_step import assert_global_step, get_or_create_global_step
+from varstate._indexed_slices import IndexedSlices, convert_to_tensor_or_indexed_slices
+from varstate._initializers import uninitialized, zero_initializer
+from varstate._partition import (
+    PartitionedVariable,
+    SaveSliceInfo,
+    expand_variables,
+    fixed_size_partitioner,
+    variable_axis_size_partitioner,
+)
+from varstate._registry import Registry, name_scope
+from varstate._variable import (
+    ResourceHandle,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+    format_device,
+    is_resource_variable,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IndexedSlices",
+    "PartitionedVariable",
+    "Registry",
+    "ResourceHandle",
+    "SaveSliceInfo",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "assert_global_step",
+    "convert_to_tensor_or_indexed_slices",
+    "expand_variables",
+    "fixed_size_partitioner",
+    "format_device",
+    "get_or_create_global_step",
+    "is_resource_variable",
+    "name_scope",
+    "optimizers",
+    "uninitialized",
+    "variable_axis_size_partitioner",
+    "zero_initializer",
+]

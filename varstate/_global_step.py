@@ -1,0 +1,55 @@
+"""The global step: a scalar integer, non-trainable Variable named `global_step`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from varstate._registry import Registry
+from varstate._variable import Variable
+
+
+def get_or_create_global_step(registry: Registry | None = None) -> Variable:
+    """The registry's global step, created (value 0) on first use.
+
+    The dtype is int64 when `jax_enable_x64` is on, else int32 (JAX's widest
+    default integer); TF format checkpoints store it as TF does. The variable
+    returned is the version created first: a training loop threads its own
+    updated versions, the registry only keeps the identity.
+
+    >>> import varstate
+    >>> r = varstate.Registry()
+    >>> gs = varstate.get_or_create_global_step(r)
+    >>> (gs.name, gs.trainable, gs.shape, gs is varstate.get_or_create_global_step(r))
+    ('global_step', False, (), True)
+    """
+    registry = Registry.default() if registry is None else registry
+    with registry._lock:
+        existing = registry._global_step
+        if existing is None:
+            dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+            existing = Variable(jnp.zeros((), dtype), name="global_step", trainable=False, registry=registry)
+            # The registry holds the global step strongly, as TF's collection does.
+            registry._global_step = existing
+        return existing
+
+
+def assert_global_step(global_step: Any) -> None:
+    """TypeError unless `global_step` is a scalar integer Variable or array (TF's checks).
+
+    >>> import jax.numpy as jnp, varstate
+    >>> varstate.assert_global_step(jnp.int32(3)) is None
+    True
+    """
+    if not isinstance(global_step, (Variable, jax.Array, np.ndarray, np.generic)):
+        raise TypeError(
+            f"global_step must be a Variable or an array, got {type(global_step).__name__} {global_step!r:.60}."
+        )
+    dtype = np.dtype(global_step.dtype)
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"global_step must have an integer dtype, got {dtype}.")
+    if tuple(global_step.shape) != ():
+        raise TypeError(f"global_step must be a scalar, got shape {tuple(global_step.shape)}.")

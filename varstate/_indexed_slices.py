@@ -1,0 +1,115 @@
+"""`IndexedSlices`: a sparse set of rows of a dense tensor (TF's sparse gradient)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.core import Tracer as _Tracer
+
+
+class IndexedSlices:
+    """Rows `values[i]` of a tensor of shape `dense_shape` at row `indices[i]`.
+
+    A pytree: `values` and `indices` are children, `dense_shape` (a tuple or
+    None) is static. Duplicate indices mean the rows add up, as in TF.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> s = varstate.IndexedSlices(jnp.ones((2, 3)), jnp.array([0, 2]), (4, 3))
+    >>> s.to_dense().sum(axis=1).tolist()
+    [3.0, 0.0, 3.0, 0.0]
+    """
+
+    __slots__ = ("dense_shape", "indices", "values")
+
+    def __init__(self, values: Any, indices: Any, dense_shape: Any = None) -> None:
+        if dense_shape is not None:
+            try:
+                dense_shape = tuple(int(d) for d in np.asarray(dense_shape).reshape(-1))
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"IndexedSlices dense_shape must be a sequence of ints or None, got {dense_shape!r}."
+                ) from None
+        self.values = values
+        self.indices = indices
+        self.dense_shape = dense_shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        return self.dense_shape
+
+    def to_dense(self) -> jax.Array:
+        """The dense tensor (duplicate rows summed); needs `dense_shape`."""
+        if self.dense_shape is None:
+            raise ValueError("IndexedSlices.to_dense: dense_shape is unknown; pass it to the constructor.")
+        out = jnp.zeros(self.dense_shape, self.values.dtype)
+        return out.at[self.indices].add(self.values, mode="drop")
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedSlices(values={getattr(self.values, 'shape', '?')} {getattr(self.values, 'dtype', '')}, "
+            f"indices={getattr(self.indices, 'shape', '?')}, dense_shape={self.dense_shape})"
+        )
+
+
+jax.tree_util.register_pytree_with_keys(
+    IndexedSlices,
+    lambda s: (
+        ((jax.tree_util.GetAttrKey("values"), s.values), (jax.tree_util.GetAttrKey("indices"), s.indices)),
+        s.dense_shape,
+    ),
+    lambda shape, ch: _make(ch[0], ch[1], shape),
+    flatten_func=lambda s: ((s.values, s.indices), s.dense_shape),
+)
+
+
+def _make(values: Any, indices: Any, dense_shape: Any) -> IndexedSlices:
+    s = object.__new__(IndexedSlices)
+    s.values, s.indices, s.dense_shape = values, indices, dense_shape
+    return s
+
+
+def convert_to_tensor_or_indexed_slices(value: Any, dtype: Any = None, name: str | None = None) -> Any:
+    """Returns `value` as IndexedSlices or a jax.Array; TypeError for anything else (as TF).
+
+    Variables are read; IndexedSlices pass through (ValueError on a dtype
+    mismatch with `dtype`, as TF).
+
+    >>> import varstate
+    >>> varstate.convert_to_tensor_or_indexed_slices([1.0, 2.0]).tolist()
+    [1.0, 2.0]
+    """
+    from varstate._variable import Variable
+
+    where = f" ({name})" if name else ""
+    if isinstance(value, IndexedSlices):
+        if dtype is not None and jnp.dtype(dtype) != value.dtype:
+            raise ValueError(
+                f"Tensor conversion requested dtype {jnp.dtype(dtype)} for IndexedSlices with dtype "
+                f"{value.dtype}{where}."
+            )
+        return value
+    if isinstance(value, Variable):
+        value = value.read_value()
+    if isinstance(value, (str, bytes, dict, set)) or value is None:
+        raise TypeError(
+            f"Cannot convert {type(value).__name__} {value!r:.60} to a tensor or IndexedSlices{where}: "
+            "expected an array, a number, a Variable or IndexedSlices."
+        )
+    if isinstance(value, (jax.Array, _Tracer)) or hasattr(value, "__array__") or isinstance(
+        value, (int, float, complex, bool, list, tuple, np.generic)
+    ):
+        try:
+            return jnp.asarray(value, dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"Cannot convert {type(value).__name__} to a tensor{where}: {e}") from None
+    raise TypeError(
+        f"Cannot convert {type(value).__name__} to a tensor or IndexedSlices{where}: "
+        "expected an array, a number, a Variable or IndexedSlices."
+    )

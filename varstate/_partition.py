@@ -1,0 +1,252 @@
+"""Partitioned variables: shards along one axis, each with TF's SaveSliceInfo."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from varstate._variable import Variable
+
+
+class SaveSliceInfo(NamedTuple):
+    """Where a shard sits in its full variable (TF's `Variable.SaveSliceInfo`).
+
+    >>> SaveSliceInfo("emb", (10, 4), (0, 0), (4, 4)).spec
+    '10 4 0,4:0,4'
+    """
+
+    full_name: str
+    full_shape: tuple[int, ...]
+    var_offset: tuple[int, ...]
+    var_shape: tuple[int, ...]
+
+    @property
+    def spec(self) -> str:
+        """TF's slice string: the full shape, then ``start,length`` per dimension."""
+        dims = " ".join(str(d) for d in self.full_shape)
+        parts = ":".join(f"{o},{s}" for o, s in zip(self.var_offset, self.var_shape, strict=True))
+        return f"{dims} {parts}"
+
+    @classmethod
+    def from_spec(cls, full_name: str, spec: str) -> SaveSliceInfo:
+        """Parses TF's slice string (the inverse of `.spec`)."""
+        try:
+            *dims, parts = spec.split(" ")
+            full_shape = tuple(int(d) for d in dims)
+            extents = [p.split(",") for p in parts.split(":")]
+            offset = tuple(int(s) for s, _ in extents)
+            shape = tuple(int(n) for _, n in extents)
+        except ValueError:
+            raise ValueError(
+                f"Invalid slice spec {spec!r} for {full_name!r}: expected e.g. '10 4 0,4:0,4'."
+            ) from None
+        if len(offset) != len(full_shape):
+            raise ValueError(f"Invalid slice spec {spec!r} for {full_name!r}: rank mismatch.")
+        return cls(full_name, full_shape, offset, shape)
+
+
+def fixed_size_partitioner(num_shards: int, axis: int = 0):
+    """A partitioner making `num_shards` shards (fewer if the axis is shorter), as TF's.
+
+    >>> fixed_size_partitioner(3)((2, 5), "float32")
+    [2, 1]
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"fixed_size_partitioner: num_shards must be a positive int, got {num_shards!r}.")
+
+    def partitioner(shape: Sequence[int], dtype: Any) -> list[int]:
+        parts = [1] * len(shape)
+        parts[axis] = max(1, min(num_shards, shape[axis]))
+        return parts
+
+    return partitioner
+
+
+def variable_axis_size_partitioner(max_shard_bytes: int, axis: int = 0, max_shards: int | None = None):
+    """A partitioner keeping each shard under `max_shard_bytes`, as TF's.
+
+    >>> variable_axis_size_partitioner(64)((10, 4), "float32")  # 16 bytes a row: 4 rows a shard
+    [3, 1]
+    """
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(
+            f"variable_axis_size_partitioner: max_shard_bytes must be a positive int, got {max_shard_bytes!r}."
+        )
+
+    def partitioner(shape: Sequence[int], dtype: Any) -> list[int]:
+        row_bytes = math.prod(d for i, d in enumerate(shape) if i != axis) * jnp.dtype(dtype).itemsize
+        rows_per_shard = max(1, max_shard_bytes // max(row_bytes, 1))
+        shards = math.ceil(shape[axis] / rows_per_shard)
+        if max_shards:
+            shards = min(max_shards, shards)
+        parts = [1] * len(shape)
+        parts[axis] = max(1, shards)
+        return parts
+
+    return partitioner
+
+
+def _slices(full_shape: Sequence[int], num: int, axis: int) -> Iterator[tuple[list[int], list[int]]]:
+    # TF puts the remainder rows on the first shards.
+    base, excess = divmod(full_shape[axis], num)
+    offset = [0] * len(full_shape)
+    for i in range(num):
+        shape = list(full_shape)
+        shape[axis] = base + (i < excess)
+        yield list(offset), shape
+        offset[axis] += shape[axis]
+
+
+class PartitionedVariable:
+    """A variable stored as several shard Variables along one axis (TF's PartitionedVariable).
+
+    A pytree whose children are the shard Variables. Give `num_shards`,
+    `max_shard_bytes` or a `partitioner(shape, dtype) -> partitions`.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> pv = varstate.PartitionedVariable(jnp.arange(10.0).reshape(5, 2), name="emb", num_shards=2)
+    >>> [v.name for v in pv], [v.shape for v in pv], pv[0].save_slice_info.spec
+    (['emb/part_0', 'emb/part_1'], [(3, 2), (2, 2)], '5 2 0,3:0,2')
+    >>> bool((pv.as_array() == jnp.arange(10.0).reshape(5, 2)).all())
+    True
+    """
+
+    __slots__ = ("_axis", "_dtype", "_name", "_shape", "_variables")
+
+    def __init__(
+        self,
+        initial_value: Any,
+        *,
+        name: str,
+        num_shards: int | None = None,
+        max_shard_bytes: int | None = None,
+        partitioner: Any = None,
+        axis: int = 0,
+        trainable: bool = True,
+        dtype: Any = None,
+        registry: Any = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"PartitionedVariable name must be a non-empty string, got {name!r}.")
+        given = [x is not None for x in (num_shards, max_shard_bytes, partitioner)]
+        if sum(given) != 1:
+            raise ValueError(
+                f"PartitionedVariable {name!r}: give exactly one of num_shards, max_shard_bytes or partitioner."
+            )
+        if num_shards is not None:
+            partitioner = fixed_size_partitioner(num_shards, axis)
+        elif max_shard_bytes is not None:
+            partitioner = variable_axis_size_partitioner(max_shard_bytes, axis)
+        value = initial_value() if callable(initial_value) else initial_value
+        value = jnp.asarray(value, dtype=dtype)
+        if value.ndim == 0:
+            raise ValueError(f"PartitionedVariable {name!r}: cannot partition a scalar.")
+        parts = list(partitioner(value.shape, value.dtype))
+        if len(parts) != value.ndim or any(p != 1 for i, p in enumerate(parts) if i != axis):
+            raise ValueError(
+                f"PartitionedVariable {name!r}: partitioner returned {parts}; only axis {axis} "
+                f"may be split for shape {value.shape}."
+            )
+        full_shape = tuple(value.shape)
+        shards = []
+        for i, (offset, shape) in enumerate(_slices(full_shape, parts[axis], axis)):
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+            info = SaveSliceInfo(name, full_shape, tuple(offset), tuple(shape))
+            shards.append(
+                Variable(value[index], name=f"{name}/part_{i}", trainable=trainable,
+                         save_slice_info=info, registry=registry)
+            )
+        self._variables = tuple(shards)
+        self._name, self._shape, self._dtype, self._axis = name, full_shape, value.dtype, axis
+
+    @classmethod
+    def _from_shards(cls, shards: Iterable[Variable], meta: tuple) -> PartitionedVariable:
+        pv = object.__new__(cls)
+        pv._variables = tuple(shards)
+        pv._name, pv._shape, pv._dtype, pv._axis = meta
+        return pv
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def variables(self) -> list[Variable]:
+        return list(self._variables)
+
+    def __iter__(self) -> Iterator[Variable]:
+        return iter(self._variables)
+
+    def __len__(self) -> int:
+        return len(self._variables)
+
+    def __getitem__(self, i: int) -> Variable:
+        return self._variables[i]
+
+    def as_array(self) -> jax.Array:
+        """The full value, shards concatenated along the partition axis."""
+        return jnp.concatenate([v.read_value() for v in self._variables], axis=self._axis)
+
+    def assign(self, value: Any) -> PartitionedVariable:
+        """A new version holding `value`, re-sliced into the same shards."""
+        value = jnp.asarray(value)
+        if tuple(value.shape) != self._shape:
+            raise ValueError(
+                f"PartitionedVariable {self._name!r}.assign: shape mismatch: the variable has shape "
+                f"{self._shape}, the value has shape {tuple(value.shape)}."
+            )
+        new = []
+        for v in self._variables:
+            info = v.save_slice_info
+            index = tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape, strict=True))
+            new.append(v.assign(value[index]))
+        return self._from_shards(new, (self._name, self._shape, self._dtype, self._axis))
+
+    def __repr__(self) -> str:
+        return (
+            f"<varstate.PartitionedVariable {self._name!r} shape={self._shape} dtype={self._dtype} "
+            f"shards={[v.shape[self._axis] for v in self._variables]}>"
+        )
+
+
+jax.tree_util.register_pytree_with_keys(
+    PartitionedVariable,
+    lambda pv: (
+        tuple((jax.tree_util.SequenceKey(i), v) for i, v in enumerate(pv._variables)),
+        (pv._name, pv._shape, pv._dtype, pv._axis),
+    ),
+    lambda meta, shards: PartitionedVariable._from_shards(shards, meta),
+    flatten_func=lambda pv: (pv._variables, (pv._name, pv._shape, pv._dtype, pv._axis)),
+)
+
+
+def expand_variables(var_list: Iterable[Any] | None) -> list[Any] | None:
+    """Replaces each PartitionedVariable in `var_list` by its shards (TF's expanded list).
+
+    >>> import jax.numpy as jnp, varstate
+    >>> pv = varstate.PartitionedVariable(jnp.zeros((4, 2)), name="p", num_shards=2)
+    >>> [v.name for v in varstate.expand_variables([pv, varstate.Variable(1.0, name="b")])]
+    ['p/part_0', 'p/part_1', 'b']
+    """
+    if var_list is None:
+        return None
+    out: list[Any] = []
+    for v in var_list:
+        if isinstance(v, PartitionedVariable):
+            out.extend(v)
+        else:
+            out.append(v)
+    return out

@@ -1,0 +1,156 @@
+"""Resource registries: process-unique ids, TF-style unique names, weak entries.
+
+A registry never keeps a variable alive. It maps resource ids to the shared
+`ResourceHandle` of a variable through weak references, so an entry disappears
+as soon as no version of the variable (and no treedef holding its handle) is
+left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
+
+# One counter for the whole process, shared by every registry, so that ids
+# never collide even between variables of different registries.
+_id_lock = threading.Lock()
+_id_counter = itertools.count(1)
+
+
+def _next_resource_id() -> int:
+    with _id_lock:
+        return next(_id_counter)
+
+
+_scope = threading.local()
+
+
+def _current_scope() -> str:
+    return "/".join(getattr(_scope, "stack", ()))
+
+
+@contextlib.contextmanager
+def name_scope(name: str) -> Iterator[str]:
+    """Prefixes the names of variables created inside with ``name/``.
+
+    Scopes nest, as TF's ``tf.name_scope`` does, and are per thread.
+
+    >>> import varstate
+    >>> with varstate.name_scope("dense"):
+    ...     k = varstate.Variable(1.0, name="kernel", registry=varstate.Registry())
+    >>> k.name
+    'dense/kernel'
+    """
+    if not isinstance(name, str) or not name or name.endswith("/"):
+        raise ValueError(
+            f"name_scope: expected a non-empty string without a trailing '/', got {name!r}."
+        )
+    stack = getattr(_scope, "stack", ())
+    _scope.stack = (*stack, name)
+    try:
+        yield _current_scope()
+    finally:
+        _scope.stack = stack
+
+
+class Registry:
+    """Tracks live resources: lookup by id and TF-style unique names.
+
+    A default registry exists per process (`Registry.default()`); pass an
+    explicit one to `Variable(..., registry=r)` to keep name spaces apart.
+    ``len(registry)`` counts live resources.
+
+    >>> import varstate
+    >>> r = varstate.Registry()
+    >>> a = varstate.Variable(1.0, name="kernel", registry=r)
+    >>> b = varstate.Variable(2.0, name="kernel", registry=r)
+    >>> (a.name, b.name, len(r))
+    ('kernel', 'kernel_1', 2)
+    >>> r[b.resource_id].name
+    'kernel_1'
+    """
+
+    _default: Registry | None = None
+
+    def __init__(self) -> None:
+        # RLock: a weakref callback may run (through GC) while this thread
+        # already holds the lock inside `_register`.
+        self._lock = threading.RLock()
+        self._entries: dict[int, weakref.ref] = {}
+        self._names: dict[str, int] = {}
+        self._next_suffix: dict[str, int] = {}
+        self._global_step = None  # see get_or_create_global_step
+
+    @classmethod
+    def default(cls) -> Registry:
+        """The process-wide registry used when none is given."""
+        if cls._default is None:
+            with _id_lock:
+                if cls._default is None:
+                    cls._default = cls()
+        return cls._default
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, resource_id: object) -> bool:
+        ref = self._entries.get(resource_id)  # type: ignore[arg-type]
+        return ref is not None and ref() is not None
+
+    def __getitem__(self, resource_id: int):
+        ref = self._entries.get(resource_id)
+        handle = None if ref is None else ref()
+        if handle is None:
+            raise KeyError(
+                f"Registry: no live resource with id {resource_id!r} "
+                f"({len(self)} live resources); it was never created here or "
+                "every version of its variable has been dropped."
+            )
+        return handle
+
+    def get(self, resource_id: int, default=None):
+        """The `ResourceHandle` for `resource_id`, or `default`."""
+        ref = self._entries.get(resource_id)
+        handle = None if ref is None else ref()
+        return default if handle is None else handle
+
+    def names(self) -> list[str]:
+        """Names of the live resources, sorted."""
+        return sorted(self._names)
+
+    def unique_name(self, name: str) -> str:
+        """`name` if unused here, else `name_1`, `name_2`, ... (TF's scheme)."""
+        with self._lock:
+            if name not in self._names:
+                return name
+            i = self._next_suffix.get(name, 1)
+            while f"{name}_{i}" in self._names:
+                i += 1
+            self._next_suffix[name] = i + 1
+            return f"{name}_{i}"
+
+    def _register(self, handle, base_name: str) -> str:
+        with self._lock:
+            name = self.unique_name(base_name)
+            rid = handle.resource_id
+            self._names[name] = rid
+            self._entries[rid] = weakref.ref(handle, self._finalizer(rid, name))
+            return name
+
+    def _finalizer(self, rid: int, name: str):
+        def remove(_ref, self_ref=weakref.ref(self)) -> None:
+            registry = self_ref()
+            if registry is None:
+                return
+            with registry._lock:
+                registry._entries.pop(rid, None)
+                if registry._names.get(name) == rid:
+                    del registry._names[name]
+
+        return remove
+
+    def __repr__(self) -> str:
+        return f"Registry({len(self)} live resources)"

@@ -1,0 +1,486 @@
+"""`Variable`: an immutable pytree whose identity is a shared resource handle.
+
+Every version of a variable (the result of `assign`, of `jax.jit`, of
+unflattening) holds the same `ResourceHandle`. The handle is the pytree's
+static data and compares by identity, so treedef equality and hashing in
+jit's cache stay at C level, and unflatten is two attribute stores.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as _core
+
+from varstate._indexed_slices import IndexedSlices
+from varstate._registry import Registry, _current_scope, _next_resource_id
+
+
+class VariableSynchronization(enum.IntEnum):
+    """When a distributed variable is aggregated (TF's enum, same values).
+
+    >>> import varstate
+    >>> varstate.Variable(0.0, trainable=False, synchronization="on_read").synchronization
+    <VariableSynchronization.ON_READ: 3>
+    """
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.IntEnum):
+    """How replica updates are combined (TF's enum, same values).
+
+    >>> import varstate
+    >>> varstate.Variable(0.0, aggregation=varstate.VariableAggregation.SUM).aggregation.name
+    'SUM'
+    """
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+def _enum_value(enum_cls: type[enum.IntEnum], value: Any, what: str) -> enum.IntEnum:
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str) and value.upper() in enum_cls.__members__:
+        return enum_cls[value.upper()]
+    raise ValueError(
+        f"Invalid variable {what} {value!r}: expected one of "
+        f"{', '.join(f'{enum_cls.__name__}.{m}' for m in enum_cls.__members__)}."
+    )
+
+
+def in_transformation() -> bool:
+    """True while JAX is tracing (jit, grad, vmap, eval_shape, ...)."""
+    return not isinstance(_core.unsafe_get_current_trace(), _core.EvalTrace)
+
+
+class ResourceHandle:
+    """The identity shared by every version of one variable.
+
+    Static pytree data: equality and hash are object identity (C level).
+    Attributes are fixed at creation; `slot_of`/`slot_name` link an optimizer
+    slot to its primary's resource id.
+
+    >>> import varstate
+    >>> v = varstate.Variable(1.0, name="w")
+    >>> v.handle is v.assign(2.0).handle, v.handle.resource_id == v.resource_id
+    (True, True)
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "aggregation",
+        "name",
+        "registry",
+        "resource_id",
+        "save_slice_info",
+        "slot_name",
+        "slot_of",
+        "synchronization",
+        "trainable",
+    )
+
+    def __repr__(self) -> str:
+        return f"ResourceHandle(id={self.resource_id}, name={self.name!r})"
+
+    def __reduce__(self):
+        # Handles are process-local identities; copying one would fork it.
+        raise TypeError("ResourceHandle cannot be pickled or copied: it is a process-local identity.")
+
+
+_new = object.__new__
+
+
+def _from_parts(value: Any, handle: ResourceHandle) -> Variable:
+    v = _new(Variable)
+    v._value = value
+    v._handle = handle
+    return v
+
+
+def _unwrap(x: Any) -> Any:
+    return x._value if isinstance(x, Variable) else x
+
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, list, tuple)
+
+
+def _as_value(value: Any, dtype: Any, what: str) -> Any:
+    if isinstance(value, Variable):
+        value = value._value
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return value if dtype is None else jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
+    if not isinstance(value, _ARRAY_TYPES) or isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"{what}: expected an array, a Python number or a nested list of numbers, "
+            f"got {type(value).__name__}. Pass jnp.asarray(...) of the value."
+        )
+    try:
+        return jnp.asarray(value, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: cannot convert {type(value).__name__} to an array: {e}") from None
+
+
+class Variable:
+    """A TF resource variable as an immutable JAX pytree.
+
+    The value is the only pytree child; the `ResourceHandle` (id, name,
+    trainable, ...) is static data shared by every version. Methods such as
+    `assign` return a NEW Variable with the same resource.
+
+    >>> import jax, jax.numpy as jnp, varstate
+    >>> v = varstate.Variable(jnp.zeros(3), name="w")
+    >>> v2 = jax.jit(lambda v: v.assign_add(jnp.ones(3)))(v)
+    >>> (v2.resource_id == v.resource_id, v2.value.tolist(), v.value.tolist())
+    (True, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    """
+
+    __slots__ = ("_handle", "_value")
+    # Elementwise __eq__ makes variables unhashable, as in TF; use `ref()`.
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        initial_value: Any,
+        *,
+        name: str | None = None,
+        trainable: bool | None = None,
+        dtype: Any = None,
+        synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+        aggregation: VariableAggregation | str = VariableAggregation.NONE,
+        registry: Registry | None = None,
+        save_slice_info: Any = None,
+    ) -> None:
+        if in_transformation() or isinstance(initial_value, _core.Tracer):
+            raise ValueError(
+                f"Variable {name or 'Variable'!r} created inside a JAX transformation "
+                "(jit, grad, vmap, ...). Variables are created outside and updated inside: "
+                "create it before the jitted function and pass it in as an argument."
+            )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Variable name must be a string, got {type(name).__name__} {name!r}.")
+        if name is not None and (not name or ":" in name):
+            raise ValueError(f"Invalid variable name {name!r}: expected a non-empty string without ':'.")
+        synchronization = _enum_value(VariableSynchronization, synchronization, "synchronization")
+        aggregation = _enum_value(VariableAggregation, aggregation, "aggregation")
+        if trainable is None:
+            trainable = synchronization != VariableSynchronization.ON_READ
+        elif not isinstance(trainable, (bool, np.bool_)):
+            raise TypeError(f"Variable trainable must be a bool, got {type(trainable).__name__}.")
+        elif trainable and synchronization == VariableSynchronization.ON_READ:
+            raise ValueError(
+                f"Variable {name!r}: synchronization ON_READ is only allowed for non-trainable "
+                "variables; pass trainable=False."
+            )
+        if dtype is not None:
+            dtype = jnp.dtype(dtype)
+        if callable(initial_value) and not isinstance(initial_value, (jax.Array, Variable)):
+            initial_value = initial_value()
+        value = _as_value(initial_value, dtype, f"Variable {name or 'Variable'!r} initial_value")
+        registry = Registry.default() if registry is None else registry
+        base = name or "Variable"
+        scope = _current_scope()
+        base = f"{scope}/{base}" if scope else base
+        h = ResourceHandle.__new__(ResourceHandle)
+        h.resource_id = _next_resource_id()
+        h.trainable = bool(trainable)
+        h.synchronization = synchronization
+        h.aggregation = aggregation
+        h.save_slice_info = save_slice_info
+        h.slot_of = None
+        h.slot_name = None
+        h.registry = registry
+        h.name = registry._register(h, base)
+        self._value = value
+        self._handle = h
+
+    # --- identity and metadata -------------------------------------------
+    @property
+    def handle(self) -> ResourceHandle:
+        """The shared resource handle (static pytree data)."""
+        return self._handle
+
+    @property
+    def resource_id(self) -> int:
+        """Process-unique id of the resource; the same for every version."""
+        return self._handle.resource_id
+
+    @property
+    def name(self) -> str:
+        """The unique name given at creation, scopes included (no ':0')."""
+        return self._handle.name
+
+    @property
+    def trainable(self) -> bool:
+        return self._handle.trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._handle.synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._handle.aggregation
+
+    @property
+    def save_slice_info(self):
+        """`SaveSliceInfo` for a shard of a partitioned variable, else None."""
+        return self._handle.save_slice_info
+
+    def ref(self) -> ResourceHandle:
+        """A hashable stand-in for this variable's resource (TF's `Variable.ref()`)."""
+        return self._handle
+
+    # --- value ------------------------------------------------------------
+    @property
+    def value(self) -> Any:
+        """The current value: a jax.Array (a tracer under jit), or a ShapeDtypeStruct if uninitialized."""
+        return self._value
+
+    @property
+    def is_initialized(self) -> bool:
+        return not isinstance(self._value, jax.ShapeDtypeStruct)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._value.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._value.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._value.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._value.shape, dtype=np.int64))
+
+    @property
+    def sharding(self) -> Any:
+        """The value's sharding (None under tracing or when unknown)."""
+        return getattr(self._value, "sharding", None)
+
+    def read_value(self) -> Any:
+        """The value; ValueError if the variable is uninitialized."""
+        if not self.is_initialized:
+            raise ValueError(
+                f"Variable {self.name!r} is uninitialized (shape {self.shape}, {self.dtype}): "
+                "initialize it with varstate.zero_initializer(v), v.assign(...), or restore a checkpoint."
+            )
+        return self._value
+
+    # --- new versions -----------------------------------------------------
+    def _checked(self, value: Any, op: str) -> Any:
+        value = _unwrap(value)
+        dtype = self.dtype
+        if isinstance(value, (int, float, complex, bool, list, tuple)):
+            value = _as_value(value, dtype, f"Variable {self.name!r}.{op}")
+        elif not hasattr(value, "shape") or not hasattr(value, "dtype") or isinstance(value, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"Variable {self.name!r}.{op}: expected an array, got {type(value).__name__}."
+            )
+        elif value.dtype != dtype:
+            raise TypeError(
+                f"Variable {self.name!r}.{op}: dtype mismatch: the variable is {dtype}, "
+                f"the value is {value.dtype}. Cast it first with .astype({dtype})."
+            )
+        if tuple(value.shape) != self.shape:
+            raise ValueError(
+                f"Variable {self.name!r}.{op}: shape mismatch: the variable has shape {self.shape}, "
+                f"the value has shape {tuple(value.shape)}."
+            )
+        value = jnp.asarray(value)
+        sharding = self.sharding
+        if sharding is not None and not isinstance(value, _core.Tracer) and value.sharding != sharding:
+            # Keep the variable where it lives (mesh shards stay shards).
+            value = jax.device_put(value, sharding)
+        return value
+
+    def _with_value(self, value: Any) -> Variable:
+        return _from_parts(value, self._handle)
+
+    def assign(self, value: Any) -> Variable:
+        """A new version holding `value` (same shape and dtype)."""
+        return _from_parts(self._checked(value, "assign"), self._handle)
+
+    def assign_add(self, delta: Any) -> Variable:
+        """A new version holding `value + delta`."""
+        return _from_parts(self.read_value() + self._checked(delta, "assign_add"), self._handle)
+
+    def assign_sub(self, delta: Any) -> Variable:
+        """A new version holding `value - delta`."""
+        return _from_parts(self.read_value() - self._checked(delta, "assign_sub"), self._handle)
+
+    def _scatter(self, sparse_delta: Any, op: str) -> Variable:
+        if not isinstance(sparse_delta, IndexedSlices):
+            raise TypeError(
+                f"Variable {self.name!r}.{op}: sparse_delta must be IndexedSlices, "
+                f"got {type(sparse_delta).__name__}."
+            )
+        value = self.read_value()
+        indices = jnp.asarray(sparse_delta.indices)
+        updates = _unwrap(sparse_delta.values)
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise TypeError(f"Variable {self.name!r}.{op}: indices must be integers, got {indices.dtype}.")
+        want = (*indices.shape, *self.shape[1:])
+        if tuple(updates.shape) != want:
+            raise ValueError(
+                f"Variable {self.name!r}.{op}: updates have shape {tuple(updates.shape)}, expected "
+                f"{want} (indices shape {tuple(indices.shape)} + variable shape {self.shape}[1:])."
+            )
+        if updates.dtype != self.dtype:
+            raise TypeError(
+                f"Variable {self.name!r}.{op}: dtype mismatch: the variable is {self.dtype}, "
+                f"the updates are {updates.dtype}."
+            )
+        if not isinstance(indices, _core.Tracer) and indices.size:
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < 0 or hi >= self.shape[0]:
+                bad = lo if lo < 0 else hi
+                raise IndexError(
+                    f"Variable {self.name!r}.{op}: index {bad} is out of range for a first "
+                    f"dimension of size {self.shape[0]} (valid: 0..{self.shape[0] - 1})."
+                )
+        # Under tracing indices cannot be checked; out-of-range rows are dropped.
+        at = value.at[indices]
+        if op == "scatter_update":
+            new = at.set(updates, mode="drop")
+        elif op == "scatter_add":
+            new = at.add(updates, mode="drop")
+        else:
+            new = at.add(-updates, mode="drop")
+        return _from_parts(new, self._handle)
+
+    def scatter_add(self, sparse_delta: IndexedSlices) -> Variable:
+        """Adds `IndexedSlices` rows into a new version (duplicates accumulate)."""
+        return self._scatter(sparse_delta, "scatter_add")
+
+    def scatter_sub(self, sparse_delta: IndexedSlices) -> Variable:
+        """Subtracts `IndexedSlices` rows in a new version."""
+        return self._scatter(sparse_delta, "scatter_sub")
+
+    def scatter_update(self, sparse_delta: IndexedSlices) -> Variable:
+        """Overwrites `IndexedSlices` rows in a new version."""
+        return self._scatter(sparse_delta, "scatter_update")
+
+    # --- array protocol -----------------------------------------------------
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.asarray(self.read_value(), dtype=dtype)
+        return out.copy() if copy else out
+
+    def __getitem__(self, idx: Any) -> Any:
+        return self.read_value()[idx]
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError(f"len() of a scalar Variable {self.name!r}")
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        return bool(self.read_value())
+
+    def __float__(self) -> float:
+        return float(self.read_value())
+
+    def __int__(self) -> int:
+        return int(self.read_value())
+
+    def __index__(self) -> int:
+        return operator.index(self.read_value())
+
+    def astype(self, dtype: Any) -> Any:
+        return self.read_value().astype(dtype)
+
+    @property
+    def T(self) -> Any:  # noqa: N802 - numpy's name
+        return self.read_value().T
+
+    def __repr__(self) -> str:
+        head = f"<varstate.Variable {self.name!r} shape={self.shape} dtype={self.dtype}"
+        if not self.is_initialized:
+            return head + " (uninitialized)>"
+        if isinstance(self._value, _core.Tracer):
+            return head + f" value={self._value}>"
+        return head + f", numpy={np.array2string(np.asarray(self._value), threshold=20)}>"
+
+
+def _binary(op, reflected=False):
+    if reflected:
+        def method(self, other):
+            return op(_unwrap(other), self.read_value())
+    else:
+        def method(self, other):
+            return op(self.read_value(), _unwrap(other))
+    return method
+
+
+for _name, _op in {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+    "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "matmul": operator.matmul,
+    "and": operator.and_, "or": operator.or_, "xor": operator.xor,
+    "lshift": operator.lshift, "rshift": operator.rshift,
+}.items():
+    setattr(Variable, f"__{_name}__", _binary(_op))
+    setattr(Variable, f"__r{_name}__", _binary(_op, reflected=True))
+for _name, _op in {
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+    "eq": operator.eq, "ne": operator.ne,
+}.items():
+    setattr(Variable, f"__{_name}__", _binary(_op))
+for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs, "invert": operator.invert}.items():
+    setattr(Variable, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
+
+
+def _flatten_with_keys(v: Variable):
+    return ((_VALUE_KEY, v._value),), v._handle
+
+
+_VALUE_KEY = jax.tree_util.GetAttrKey("value")
+
+jax.tree_util.register_pytree_with_keys(
+    Variable,
+    _flatten_with_keys,
+    lambda handle, children: _from_parts(children[0], handle),
+    flatten_func=lambda v: ((v._value,), v._handle),
+)
+
+
+def is_resource_variable(x: Any) -> bool:
+    """True for varstate Variables (TF's `resource_variable_ops.is_resource_variable`).
+
+    >>> import varstate
+    >>> varstate.is_resource_variable(varstate.Variable(1.0)), varstate.is_resource_variable(1.0)
+    (True, False)
+    """
+    return isinstance(x, Variable) or bool(getattr(x, "_should_act_as_resource_variable", False))
+
+
+def format_device(v: Any) -> str:
+    """``"<device> (resource)"``, or ``"(resource)"`` when the placement is unknown.
+
+    A variable sharded over several devices names its sharding.
+
+    >>> import varstate
+    >>> varstate.format_device(varstate.Variable(1.0)).endswith("(resource)")
+    True
+    """
+    sharding = getattr(v, "sharding", None)
+    if sharding is None or isinstance(getattr(v, "value", None), _core.Tracer):
+        return "(resource)"
+    devices = sharding.device_set
+    if len(devices) == 1:
+        return f"{next(iter(devices))} (resource)"
+    return f"{sharding} (resource)"
