@@ -141,7 +141,10 @@ class Registry:
             return name
 
     def _finalizer(self, rid: int, name: str):
-        def remove(_ref, self_ref=weakref.ref(self)) -> None:
+        # The callback must not keep the registry alive.
+        self_ref = weakref.ref(self)
+
+        def remove(_ref) -> None:
             registry = self_ref()
             if registry is None:
                 return
