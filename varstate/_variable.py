@@ -444,6 +444,24 @@ for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs
     setattr(Variable, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
 
 
+def make_slot(primary: Variable, slot_name: str, value: Any) -> Variable:
+    """A slot Variable for `primary` (TF's `_create_slot_var`), linked by resource id.
+
+    Named ``<primary name>/<slot name>``, non-trainable, in the primary's
+    registry; a shard's slot gets the shard's slice of a full slot named
+    ``<full name>/<slot name>``.
+    """
+    info = primary.save_slice_info
+    if info is not None:
+        info = type(info)(f"{info.full_name}/{slot_name}", info.full_shape, info.var_offset, info.var_shape)
+    registry = primary._handle.registry
+    slot = Variable(value, name=f"{primary.name}/{slot_name}", trainable=False,
+                    save_slice_info=info, registry=registry)
+    slot._handle.slot_of = primary.resource_id
+    slot._handle.slot_name = slot_name
+    return slot
+
+
 def _flatten_with_keys(v: Variable):
     return ((_VALUE_KEY, v._value),), v._handle
 
