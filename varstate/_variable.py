@@ -468,12 +468,19 @@ def _flatten_with_keys(v: Variable):
 
 _VALUE_KEY = jax.tree_util.GetAttrKey("value")
 
-jax.tree_util.register_pytree_with_keys(
-    Variable,
-    _flatten_with_keys,
-    lambda handle, children: _from_parts(children[0], handle),
-    flatten_func=lambda v: ((v._value,), v._handle),
-)
+def _flatten(v: Variable):
+    return (v._value,), v._handle
+
+
+def _unflatten(handle: ResourceHandle, children: Any) -> Variable:
+    # Runs for every Variable leaving every jitted call: kept to one frame.
+    v = _new(Variable)
+    (v._value,) = children
+    v._handle = handle
+    return v
+
+
+jax.tree_util.register_pytree_with_keys(Variable, _flatten_with_keys, _unflatten, flatten_func=_flatten)
 
 
 def is_resource_variable(x: Any) -> bool:
