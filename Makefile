@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m ruff check varstate checkpoint tests examples benchmarks
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)
