@@ -1,3 +1,17 @@
-"""Optimizers with TF's slot and non-slot variables (see varstate/optimizers/_base.py)."""
+"""Optimizers with TF's slot and non-slot variables, as jitted pure updates (dense and sparse)."""
 
-__all__: list[str] = []
+from varstate.optimizers._adagrad import Adagrad, RMSProp
+from varstate.optimizers._adam import Adam
+from varstate.optimizers._base import Optimizer
+from varstate.optimizers._gradient_descent import GradientDescent, Momentum
+from varstate.optimizers._state import OptimizerState
+
+__all__ = [
+    "Adagrad",
+    "Adam",
+    "GradientDescent",
+    "Momentum",
+    "Optimizer",
+    "OptimizerState",
+    "RMSProp",
+]

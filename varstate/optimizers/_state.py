@@ -22,6 +22,13 @@ class OptimizerState:
 
     Checkpoints record slots against their primary's node (`slot_variables`)
     and non-slots as children of the optimizer's node, as TF does.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> from varstate.optimizers import Adam
+    >>> w = varstate.Variable(jnp.zeros(2), name="kernel")
+    >>> state = Adam().init({"w": w})
+    >>> state.get_slot(w, "m").name, state.get_slot_names(), sorted(state.non_slots)
+    ('kernel/m', ['m', 'v'], ['beta1_power', 'beta2_power'])
     """
 
     slots: dict[str, Any]
