@@ -1,0 +1,227 @@
+"""`CheckpointManager`, `latest_checkpoint` and TF's ``checkpoint`` state file."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from typing import Any
+
+import orbax.checkpoint as ocp
+from google.protobuf import text_format
+
+from checkpoint import _orbax
+from checkpoint._checkpoint import Checkpoint, LoadStatus
+from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
+
+STATE_FILE = "checkpoint"
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def _exists(path: str) -> bool:
+    return _orbax.is_checkpoint(path) or os.path.isfile(path + ".index")
+
+
+def _read_state(directory: str) -> CheckpointState | None:
+    try:
+        with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
+            return text_format.Parse(f.read(), CheckpointState())
+    except FileNotFoundError:
+        return None
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"The checkpoint state file {os.path.join(directory, STATE_FILE)!r} is not a CheckpointState: {e}"
+        ) from None
+
+
+def _write_state(directory: str, state: CheckpointState) -> None:
+    # Written beside and renamed over: readers see the old file or the new one.
+    tmp = os.path.join(directory, f".{STATE_FILE}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text_format.MessageToString(state))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, STATE_FILE))
+
+
+def _relative(directory: str, path: str) -> str:
+    return os.path.relpath(path, directory) if os.path.dirname(os.path.abspath(path)) == directory else path
+
+
+def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None) -> None:
+    """Makes `path` the latest checkpoint in `directory`'s state file (TF's update_checkpoint_state)."""
+    directory = os.path.abspath(directory)
+    state = _read_state(directory) or CheckpointState()
+    now = time.time()
+    if kept is None:
+        paths = [p for p in state.all_model_checkpoint_paths if p != _relative(directory, path)]
+        stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps, strict=False))
+        kept = [*paths, _relative(directory, path)]
+    else:
+        stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps, strict=False))
+        kept = [_relative(directory, p) for p in kept]
+    new = CheckpointState(model_checkpoint_path=_relative(directory, path), all_model_checkpoint_paths=kept)
+    new.all_model_checkpoint_timestamps.extend(stamps.get(p, now) for p in kept)
+    new.last_preserved_timestamp = state.last_preserved_timestamp
+    _write_state(directory, new)
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest committed checkpoint in `directory` (from its ``checkpoint`` state file), or None.
+
+    >>> import os, tempfile, jax.numpy as jnp, checkpoint
+    >>> d = tempfile.mkdtemp()
+    >>> ckpt = checkpoint.Checkpoint(w=jnp.zeros(2))
+    >>> _ = ckpt.save(os.path.join(d, "ckpt")); _ = ckpt.save(os.path.join(d, "ckpt"))
+    >>> os.path.basename(checkpoint.latest_checkpoint(d))
+    'ckpt-2'
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    state = _read_state(directory)
+    if state is None or not state.model_checkpoint_path:
+        return None
+    path = os.path.join(directory, state.model_checkpoint_path)
+    return path if _exists(path) else None
+
+
+class CheckpointManager:
+    """Numbered checkpoints ``<directory>/ckpt-<step>``: keeps the newest, deletes old ones, saves atomically.
+
+    `save(step, **roots)` writes the roots (as `Checkpoint(**roots)` would,
+    with ``save_counter`` = step) and records them in TF's ``checkpoint``
+    state file once committed. With ``async_save=True`` it returns as soon
+    as the values are copied off the arrays (later updates, even donated
+    ones, do not change what is saved); `wait_until_finished()` waits for the
+    commit. Leftovers of a save that crashed are removed on construction.
+
+    >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
+    >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
+    >>> w = varstate.Variable(jnp.zeros(2))
+    >>> for step in range(1, 4):
+    ...     w = w.assign_add(jnp.ones(2))
+    ...     _ = mgr.save(step, model={"w": w})
+    >>> [os.path.basename(p) for p in mgr.checkpoints]
+    ['ckpt-2', 'ckpt-3']
+    >>> mgr.restore(model={"w": varstate.Variable(jnp.zeros(2))}).model["w"].value.tolist()
+    [3.0, 3.0]
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        max_to_keep: int | None = 5,
+        keep_every_n_steps: int | None = None,
+        async_save: bool = False,
+        checkpoint_name: str = "ckpt",
+    ) -> None:
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"CheckpointManager: max_to_keep must be a positive int or None, got {max_to_keep!r}.")
+        if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
+            raise ValueError(
+                f"CheckpointManager: keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}."
+            )
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", checkpoint_name):
+            raise ValueError(f"CheckpointManager: invalid checkpoint_name {checkpoint_name!r}.")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
+        self._name = checkpoint_name
+        os.makedirs(self.directory, exist_ok=True)
+        for entry in os.listdir(self.directory):
+            if _TMP_MARK in entry or entry.startswith(f".{STATE_FILE}.tmp-"):
+                target = os.path.join(self.directory, entry)
+                shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+        state = _read_state(self.directory)
+        listed = state.all_model_checkpoint_paths if state is not None else []
+        self._steps = sorted(
+            s for s in (self._step_of(p) for p in listed) if s is not None and _exists(self._path(s))
+        )
+        self._checkpointer: Any = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler()) if async_save else (
+            ocp.Checkpointer(ocp.CompositeCheckpointHandler()))
+        self._async = async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{self._name}-{step}")
+
+    def _step_of(self, path: str) -> int | None:
+        m = re.fullmatch(re.escape(self._name) + r"-(\d+)", os.path.basename(path))
+        return int(m.group(1)) if m else None
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Paths of the kept checkpoints, oldest first."""
+        return [self._path(s) for s in self._steps]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest committed checkpoint, or None."""
+        return self._path(self._steps[-1]) if self._steps else None
+
+    def save(self, step: int, **roots: Any) -> str:
+        """Writes ``ckpt-<step>``; returns its path (committed unless ``async_save``)."""
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"CheckpointManager.save: step must be >= 0, got {step}.")
+        self.wait_until_finished()
+        ckpt = Checkpoint(**roots)
+        ckpt.save_counter, ckpt._counter_tracked = step, True
+        path = self._path(step)
+        ckpt.write(path, _checkpointer=self._checkpointer)
+        if self._async:
+            self._thread = threading.Thread(target=self._finish, args=(step,), name="checkpoint-commit")
+            self._thread.start()
+        else:
+            self._commit(step)
+        return path
+
+    def _finish(self, step: int) -> None:
+        try:
+            self._checkpointer.wait_until_finished()
+            self._commit(step)
+        except BaseException as e:  # reported by wait_until_finished in the caller's thread
+            self._error = e
+
+    def _commit(self, step: int) -> None:
+        steps = [s for s in self._steps if s != step] + [step]
+        removed: list[int] = []
+        if self.max_to_keep is not None:
+            while len(steps) > self.max_to_keep:
+                removed.append(steps.pop(0))
+        _record_checkpoint(self.directory, self._path(step), [self._path(s) for s in steps])
+        self._steps = steps
+        for s in removed:
+            if self.keep_every_n_steps and s % self.keep_every_n_steps == 0:
+                continue  # preserved for good: no longer managed, never deleted
+            path = self._path(s)
+            # The marker file goes first: a crash mid-delete leaves no readable half checkpoint.
+            meta = os.path.join(path, _orbax.META_FILE)
+            if os.path.isfile(meta):
+                os.remove(meta)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until an asynchronous save is committed; raises its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def restore(self, step: int | None = None, **templates: Any) -> LoadStatus:
+        """Restores `templates` from ``ckpt-<step>`` (default: the latest); see `Checkpoint.restore`."""
+        self.wait_until_finished()
+        path = self.latest_checkpoint if step is None else self._path(int(step))
+        if path is None:
+            raise FileNotFoundError(f"CheckpointManager: no checkpoint in {self.directory!r} yet.")
+        return Checkpoint(**templates).restore(path)
+
+    def close(self) -> None:
+        """Waits for a pending save and releases orbax's threads."""
+        try:
+            self.wait_until_finished()
+        finally:
+            self._checkpointer.close()

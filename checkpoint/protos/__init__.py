@@ -1,0 +1,1 @@
+"""TensorFlow's checkpoint protos (TF's field numbers, package `checkpoint.tensorflow`); see README."""

@@ -1,0 +1,438 @@
+"""Checkpoint: object graph (against TF's), round trips, restore by structure, deferred restoration, errors."""
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import shutil
+import sys
+import types
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import checkpoint
+import varstate
+from checkpoint import _graph, _orbax
+from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
+from varstate.optimizers import Adam, Momentum
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "tf_object_graph")
+KEY = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def canonical(proto: TrackableObjectGraph) -> dict:
+    """The graph by node path, as tests/data/make_tf_object_graph_fixtures.py writes TF's."""
+    paths = {0: ""}
+    queue = [0]
+    while queue:
+        i = queue.pop(0)
+        for ref in proto.nodes[i].children:
+            if ref.node_id not in paths:
+                paths[ref.node_id] = (paths[i] + "/" if paths[i] else "") + ref.local_name
+                queue.append(ref.node_id)
+    for i, node in enumerate(proto.nodes):
+        for ref in node.slot_variables:
+            paths[ref.slot_variable_node_id] = f"{paths[ref.original_variable_node_id]}#{ref.slot_name}@{paths[i]}"
+    return {
+        paths[i]: {
+            "children": sorted(r.local_name for r in node.children),
+            "attributes": sorted([a.name, a.checkpoint_key] for a in node.attributes),
+            "slots": sorted(
+                [paths[r.original_variable_node_id], r.slot_name, paths[r.slot_variable_node_id]]
+                for r in node.slot_variables
+            ),
+        }
+        for i, node in enumerate(proto.nodes)
+    }
+
+
+def tf_like_model():
+    kernel = varstate.Variable(jnp.arange(6, dtype=jnp.float32).reshape(2, 3) / 10, name="kernel")
+    bias = varstate.Variable(jnp.array([0.5, -0.5, 1.0], jnp.float32), name="bias")
+    scale = varstate.Variable(jnp.float32(2.0), name="scale")
+    return {"kernel": kernel, "bias": bias, "layers": [scale], "nested": {"deep": kernel}}
+
+
+def test_graph_keys_and_values_match_tensorflow(tmp_path):
+    with open(os.path.join(DATA, "graph.json")) as f:
+        tf = json.load(f)
+    model = tf_like_model()
+    params = [model["kernel"], model["bias"], model["layers"][0]]
+    opt = Adam(0.1)
+    state = opt.init(params)
+    grads = [2 * params[0].value, jnp.full(3, 3.0), 3 * params[2].value ** 2]
+    params, state = opt.apply_gradients(grads, params, state)
+    model = {"kernel": params[0], "bias": params[1], "layers": [params[2]], "nested": {"deep": params[0]}}
+    path = checkpoint.Checkpoint(model=model, optimizer=state).save(str(tmp_path / "ckpt"))
+    reader = _orbax.OrbaxReader(path)
+    assert canonical(reader.object_graph) == tf["nodes"]
+    assert reader.keys() == sorted(tf["values"])
+    for key, want in tf["values"].items():
+        got = reader.get(key)
+        assert got.dtype == np.dtype(want["dtype"]), key
+        assert list(got.shape) == want["shape"], key
+        np.testing.assert_allclose(got.ravel(), want["values"], rtol=2e-6, err_msg=key)
+
+
+class Pair(NamedTuple):
+    a: object
+    b: object
+
+
+@dataclasses.dataclass
+class Box:
+    x: object
+    n: int
+
+
+jax.tree_util.register_dataclass(Box, data_fields=["x", "n"], meta_fields=[])
+
+
+@flax.struct.dataclass
+class FlaxState:
+    w: object
+    step: object
+
+
+def test_round_trip_of_every_container_and_leaf_kind(tmp_path):
+    tree = {
+        "pair": Pair(varstate.Variable(jnp.arange(4.0)), (jnp.int8(3), np.arange(3, dtype=np.int16))),
+        "box": Box(jnp.ones((2, 2), jnp.bfloat16), n=7),
+        "flax": FlaxState(w=varstate.Variable(jnp.array([True, False])), step=jnp.int32(5)),
+        "py": {"i": 3, "f": 0.25, "b": True, "s": "héllo", "none": None},
+        "np_scalar": np.float64(1.5),
+    }
+    path = checkpoint.Checkpoint(tree=tree).write(str(tmp_path / "c"))
+    template = {
+        "pair": Pair(varstate.Variable(jnp.zeros(4)), (jnp.int8(0), np.zeros(3, np.int16))),
+        "box": Box(jnp.zeros((2, 2), jnp.bfloat16), n=0),
+        "flax": FlaxState(w=varstate.Variable(jnp.array([False, False])), step=jnp.int32(0)),
+        "py": {"i": 0, "f": 0.0, "b": False, "s": "", "none": None},
+        "np_scalar": np.float64(0.0),
+    }
+    status = checkpoint.Checkpoint(tree=template).restore(path).assert_consumed()
+    got = status.tree
+    assert jax.tree.structure(got) == jax.tree.structure(template)
+    assert got["pair"].a.resource_id == template["pair"].a.resource_id
+    assert got["pair"].a.value.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert int(got["pair"].b[0]) == 3 and isinstance(got["pair"].b[0], jax.Array)
+    assert isinstance(got["pair"].b[1], np.ndarray) and got["pair"].b[1].tolist() == [0, 1, 2]
+    assert got["box"].x.dtype == ml_dtypes.bfloat16 and got["box"].x.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert got["box"].n == 7 and type(got["box"].n) is int
+    assert got["flax"].w.value.tolist() == [True, False] and int(got["flax"].step) == 5
+    assert got["py"] == {"i": 3, "f": 0.25, "b": True, "s": "héllo", "none": None}
+    assert type(got["py"]["b"]) is bool and type(got["np_scalar"]) is np.float64 and got["np_scalar"] == 1.5
+
+
+def test_variable_reachable_twice_is_stored_once_under_its_shortest_path(tmp_path):
+    v = varstate.Variable(jnp.ones(2))
+    graph = _graph.build({"a": {"deep": {"deeper": v}}, "b": v})
+    assert [s.key for s in graph.saveables] == ["b" + KEY]
+    path = checkpoint.Checkpoint(a={"deep": {"deeper": v}}, b=v).write(str(tmp_path / "c"))
+    t = varstate.Variable(jnp.zeros(2))
+    status = checkpoint.Checkpoint(a={"deep": {"deeper": t}}, b=t).restore(path).assert_consumed()
+    assert status.a["deep"]["deeper"].value.tolist() == status.b.value.tolist() == [1.0, 1.0]
+
+
+def test_local_names_are_escaped_like_tf():
+    assert _graph.escape("a.b/c") == "a..b.Sc"
+    graph = _graph.build({"m": {"a.b/c": jnp.ones(1)}})
+    assert graph.saveables[0].key == "m/a..b.Sc" + KEY
+
+
+def test_restore_matches_structure_not_variable_names(tmp_path):
+    path = checkpoint.Checkpoint(m={"w": varstate.Variable(jnp.ones(2), name="first")}).write(str(tmp_path / "c"))
+    other = varstate.Variable(jnp.zeros(2), name="completely/different")
+    assert checkpoint.Checkpoint(m={"w": other}).restore(path).m["w"].value.tolist() == [1.0, 1.0]
+
+
+def test_slots_are_matched_through_their_primary_not_the_optimizer_layout(tmp_path):
+    a, b = varstate.Variable(jnp.ones(2), name="a"), varstate.Variable(jnp.full(3, 2.0), name="b")
+    opt = Momentum(0.1, momentum=0.9)
+    params = {"a": a, "b": b}
+    state = opt.init(params)
+    params, state = opt.apply_gradients({"a": jnp.ones(2), "b": jnp.full(3, 2.0)}, params, state)
+    path = checkpoint.Checkpoint(model=params, opt=state).write(str(tmp_path / "c"))
+    ta, tb = varstate.Variable(jnp.zeros(2)), varstate.Variable(jnp.zeros(3))
+    template_state = opt.init([tb, ta])  # a list, in the other order
+    status = checkpoint.Checkpoint(model={"a": ta, "b": tb}, opt=template_state).restore(path).assert_consumed()
+    restored = status.opt
+    assert restored.get_slot(ta, "momentum").value.tolist() == [1.0, 1.0]
+    assert restored.get_slot(tb, "momentum").value.tolist() == [2.0, 2.0, 2.0]
+    assert restored.slots["momentum"][0].resource_id == template_state.slots["momentum"][0].resource_id
+
+
+def test_slot_whose_primary_is_not_saved_is_skipped_as_tf_does():
+    a, b = varstate.Variable(jnp.ones(2)), varstate.Variable(jnp.ones(2))
+    state = Adam(0.1).init([a, b])
+    keys = sorted(s.key for s in _graph.build({"model": {"a": a}, "opt": state}).saveables)
+    assert keys == [
+        "model/a" + KEY,
+        "model/a/.OPTIMIZER_SLOT/opt/m" + KEY,
+        "model/a/.OPTIMIZER_SLOT/opt/v" + KEY,
+        "opt/beta1_power" + KEY,
+        "opt/beta2_power" + KEY,
+    ]
+
+
+def adam_checkpoint(tmp_path):
+    model = {"w": varstate.Variable(jnp.array([1.0, 2.0]), name="w")}
+    opt = Adam(0.1)
+    state = opt.init(model)
+    model, state = opt.apply_gradients({"w": jnp.array([0.5, -1.0])}, model, state)
+    path = checkpoint.Checkpoint(model=model, optimizer=state).save(str(tmp_path / "ckpt"))
+    return path, model, state, opt
+
+
+def test_deferred_restoration_of_an_optimizer_created_after_the_model(tmp_path):
+    path, model, state, opt = adam_checkpoint(tmp_path)
+    status = checkpoint.Checkpoint(model={"w": varstate.Variable(jnp.zeros(2))}).restore(path)
+    status.assert_existing_objects_matched().assert_nontrivial_match()
+    with pytest.raises(AssertionError, match=r"Unresolved object in checkpoint \(root\)\.optimizer\.beta1_power"):
+        status.assert_consumed()
+    new_state = opt.init(status.model)  # slots created only now, from the restored model
+    opt_status = status.restore(optimizer=new_state)
+    restored = opt_status.optimizer
+    w = status.model["w"]
+    for name in ("m", "v"):
+        np.testing.assert_array_equal(restored.get_slot(w, name).value, state.get_slot(model["w"], name).value)
+    for name in ("beta1_power", "beta2_power"):  # _preload_simple_restoration's non-slot variables
+        np.testing.assert_array_equal(restored.non_slot(name).value, state.non_slot(name).value)
+    status.assert_consumed()  # the first status accounts for the deferred restore
+    assert opt_status.assert_consumed() is opt_status
+
+
+def test_slots_restored_before_their_primary_stay_pending(tmp_path):
+    path, model, state, opt = adam_checkpoint(tmp_path)
+    w = varstate.Variable(jnp.zeros(2))
+    status = checkpoint.Checkpoint(optimizer=opt.init({"w": w})).restore(path)
+    with pytest.raises(AssertionError, match=r"Unresolved slot restorations: .*\(root\)\.model\.w's state 'm'"):
+        status.assert_consumed()
+    status.restore(model={"w": w})
+    with pytest.raises(AssertionError, match=r"Unresolved slot restorations: .*'v' for \(root\)\.optimizer"):
+        status.assert_consumed()  # the optimizer was already returned: give it again
+    again = status.restore(optimizer=opt.init({"w": w})).optimizer
+    np.testing.assert_array_equal(again.get_slot(w, "m").value, state.get_slot(model["w"], "m").value)
+    status.assert_consumed()
+
+
+def test_assertion_messages_name_the_unmatched_paths(tmp_path, caplog):
+    path, *_ = adam_checkpoint(tmp_path)
+    extra = {"w": varstate.Variable(jnp.zeros(2)), "extra": varstate.Variable(jnp.zeros(1))}
+    status = checkpoint.Checkpoint(model=extra).restore(path)
+    with pytest.raises(AssertionError, match=r"Found 1 Python objects .* \['\(root\)\.model\.extra'\]"):
+        status.assert_existing_objects_matched()
+    status.assert_nontrivial_match()
+    unrelated = checkpoint.Checkpoint(other={"x": varstate.Variable(jnp.zeros(2))}).restore(path)
+    with pytest.raises(AssertionError, match=r"Nothing except the root object matched.*\(root\)\.other\.x"):
+        unrelated.assert_nontrivial_match()
+    with pytest.raises(AssertionError, match="Nothing to load"):
+        checkpoint.Checkpoint().restore(path).assert_nontrivial_match()
+
+
+def test_discarded_partial_restore_logs_unless_expect_partial(tmp_path, caplog):
+    path, *_ = adam_checkpoint(tmp_path)
+    gc.collect()
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        checkpoint.Checkpoint(model={"w": varstate.Variable(jnp.zeros(2))}).restore(path)
+        gc.collect()
+        assert "were not restored: (root).optimizer.beta1_power" in caplog.text
+        caplog.clear()
+        status = checkpoint.Checkpoint(model={"w": varstate.Variable(jnp.zeros(2))}).restore(path)
+        assert status.expect_partial() is status
+        del status
+        gc.collect()
+        assert caplog.text == ""
+
+
+def test_shape_and_dtype_mismatch_name_the_object_path(tmp_path):
+    path, *_ = adam_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"\(root\)\.model\.w: .*has shape \(2,\), the object has shape \(3,\)"):
+        checkpoint.Checkpoint(model={"w": varstate.Variable(jnp.zeros(3))}).restore(path)
+    with pytest.raises(TypeError, match=r"\(root\)\.model\.w: .*has dtype float32, the object has dtype int32"):
+        checkpoint.Checkpoint(model={"w": varstate.Variable(jnp.zeros(2, jnp.int32))}).restore(path)
+
+
+def test_bad_paths_and_newer_versions_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No checkpoint found at"):
+        checkpoint.Checkpoint().restore(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is not a checkpoint: meta/metadata is missing"):
+        checkpoint.Checkpoint().restore(str(tmp_path))
+    with pytest.raises(ValueError, match="save_path is None"):
+        checkpoint.Checkpoint().restore(None)
+    path = checkpoint.Checkpoint(w=jnp.ones(2)).write(str(tmp_path / "c"))
+    meta_file = os.path.join(path, _orbax.META_FILE)
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta["version"] = _orbax.VERSION + 1
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(ValueError, match=f"format version {_orbax.VERSION + 1}, newer than .* upgrade varstate"):
+        checkpoint.Checkpoint(w=jnp.zeros(2)).restore(path)
+    with open(meta_file, "w") as f:
+        f.write("{not json")
+    with pytest.raises(checkpoint.DataLossError, match="is corrupted"):
+        checkpoint.Checkpoint(w=jnp.zeros(2)).restore(path)
+
+
+def _data_files(path):
+    out = []
+    for root, _, files in os.walk(os.path.join(path, "values")):
+        out += [os.path.join(root, f) for f in files if os.sep + "d" + os.sep in os.path.join(root, f) + os.sep]
+    return [f for f in out if os.path.basename(os.path.dirname(f)) == "d"]
+
+
+@pytest.mark.parametrize("size", [16, 300_000], ids=["packed", "own-array"])
+def test_corrupted_or_truncated_values_are_detected(tmp_path, size):
+    value = jnp.arange(size, dtype=jnp.float32)
+    for damage in ("flip", "truncate"):
+        path = checkpoint.Checkpoint(w=value).write(str(tmp_path / damage))
+        files = _data_files(path)
+        assert files
+        for name in files:
+            with open(name, "r+b") as f:
+                data = bytearray(f.read())
+                if damage == "flip":
+                    for i in range(len(data) // 3, len(data), max(1, len(data) // 7)):
+                        data[i] ^= 0x5A
+                else:
+                    data = data[: len(data) // 2]
+                f.seek(0)
+                f.truncate()
+                f.write(bytes(data))
+        # tensorstore notices damaged compressed chunks itself
+        with pytest.raises(checkpoint.DataLossError, match=r"cannot read stored values"):
+            checkpoint.Checkpoint(w=jnp.zeros(size)).restore(path)
+    # Well-formed values that are not the ones saved (files mixed up between checkpoints): the crc32c.
+    good = checkpoint.Checkpoint(w=value).write(str(tmp_path / "good"))
+    other = checkpoint.Checkpoint(w=value + 1).write(str(tmp_path / "other"))
+    shutil.rmtree(os.path.join(good, "values"))
+    shutil.copytree(os.path.join(other, "values"), os.path.join(good, "values"))
+    with pytest.raises(checkpoint.DataLossError, match=r"checksum mismatch for 'w/.ATTRIBUTES/VARIABLE_VALUE'"):
+        checkpoint.Checkpoint(w=jnp.zeros(size)).restore(good)
+
+
+def test_uninitialized_values_cannot_be_saved(tmp_path):
+    v = varstate.uninitialized((2,), jnp.float32, name="u")
+    with pytest.raises(ValueError, match=r"Cannot save 'm/u/.ATTRIBUTES/VARIABLE_VALUE': the value is uninitialized"):
+        checkpoint.Checkpoint(m={"u": v}).write(str(tmp_path / "c"))
+
+
+def test_save_counter_is_int64_numbers_saves_and_survives_restore(tmp_path):
+    ckpt = checkpoint.Checkpoint(w=jnp.ones(1))
+    assert [os.path.basename(ckpt.save(str(tmp_path / "ckpt"))) for _ in range(2)] == ["ckpt-1", "ckpt-2"]
+    reader = _orbax.OrbaxReader(str(tmp_path / "ckpt-2"))
+    counter = reader.get("save_counter" + KEY)
+    assert counter.dtype == np.int64 and counter.item() == 2
+    fresh = checkpoint.Checkpoint(w=jnp.zeros(1))
+    fresh.restore(str(tmp_path / "ckpt-2")).assert_consumed()
+    assert fresh.save_counter == 2 and os.path.basename(fresh.save(str(tmp_path / "ckpt"))) == "ckpt-3"
+    assert "save_counter" + KEY not in _orbax.OrbaxReader(
+        checkpoint.Checkpoint(w=jnp.ones(1)).write(str(tmp_path / "plain"))).keys()
+
+
+def test_abstract_templates_are_restored_straight_onto_their_shardings(tmp_path):
+    mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    big = jax.device_put(jnp.arange(2 ** 19, dtype=jnp.float32).reshape(1024, 512),
+                         jax.sharding.NamedSharding(mesh4, jax.sharding.PartitionSpec("x")))
+    small = jnp.arange(16.0).reshape(8, 2)
+    path = checkpoint.Checkpoint(m={"big": varstate.Variable(big), "small": varstate.Variable(small)},
+                                 raw=small).write(str(tmp_path / "c"))
+    mesh8 = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    s_big = jax.sharding.NamedSharding(mesh8, jax.sharding.PartitionSpec("b", "a"))
+    s_small = jax.sharding.NamedSharding(mesh8, jax.sharding.PartitionSpec("a"))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[5])
+    template = {
+        "big": varstate.uninitialized((1024, 512), jnp.float32, sharding=s_big),
+        "small": varstate.uninitialized((8, 2), jnp.float32, sharding=s_small),
+    }
+    raw = jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=one)
+    status = checkpoint.Checkpoint(m=template, raw=raw).restore(path)
+    got = status.assert_consumed().m
+    assert got["big"].sharding == s_big and got["small"].sharding == s_small and status.raw.sharding == one
+    assert got["big"].resource_id == template["big"].resource_id
+    np.testing.assert_array_equal(got["big"].value, big)
+    np.testing.assert_array_equal(got["small"].value, small)
+    np.testing.assert_array_equal(status.raw, small)
+
+
+class Wrapper:
+    """A minimal stand-in for AutoCastVariable: a pytree whose one child is a Variable."""
+
+    def __init__(self, variable):
+        self.variable = variable
+
+    def __varstate_variable__(self):
+        return self.variable
+
+
+jax.tree_util.register_pytree_node(Wrapper, lambda w: ((w.variable,), None), lambda _, c: Wrapper(c[0]))
+
+
+def test_objects_with_varstate_variable_are_saved_as_their_variable(tmp_path):
+    v = varstate.Variable(jnp.ones(2), name="k")
+    state = Momentum(0.1, momentum=0.9).init([v])
+    wrapped = {"k": Wrapper(v)}
+    graph = _graph.build({"model": wrapped, "opt": state})
+    assert graph.saveables[0].key == "model/k" + KEY and len(graph.saveables) == 2  # value + slot
+    plain = _graph.build({"model": {"k": v}, "opt": state})
+    assert canonical(graph.proto) == canonical(plain.proto)
+    path = checkpoint.Checkpoint(model=wrapped).write(str(tmp_path / "c"))
+    t = Wrapper(varstate.Variable(jnp.zeros(2)))
+    got = checkpoint.Checkpoint(model={"k": t}).restore(path).assert_consumed().model["k"]
+    assert isinstance(got, Wrapper) and got.variable.resource_id == t.variable.resource_id
+    assert got.variable.value.tolist() == [1.0, 1.0]
+
+
+def test_tf_format_is_written_through_write_bundle_and_read_through_read_checkpoint(tmp_path, monkeypatch):
+    written = {}
+    bundle = types.ModuleType("checkpoint._bundle")
+    bundle.write_bundle = lambda prefix, tensors: written.update(prefix=prefix, tensors=tensors)
+    monkeypatch.setitem(sys.modules, "checkpoint._bundle", bundle)
+    model = {"w": varstate.Variable(jnp.arange(3.0)), "n": 4, "s": "x"}
+    ckpt = checkpoint.Checkpoint(model=model)
+    prefix = ckpt.save(str(tmp_path / "tf" / "ckpt"), format="tf")
+    tensors = written["tensors"]
+    assert written["prefix"] == prefix and prefix.endswith("ckpt-1")
+    assert isinstance(tensors[_graph.OBJECT_GRAPH_KEY], bytes)
+    proto = TrackableObjectGraph.FromString(tensors[_graph.OBJECT_GRAPH_KEY])
+    assert canonical(proto)["model/w"]["attributes"] == [["VARIABLE_VALUE", "model/w" + KEY]]
+    assert tensors["save_counter" + KEY].dtype == np.int64 and tensors["save_counter" + KEY] == 1
+    assert isinstance(tensors["model/w" + KEY], np.ndarray) and tensors["model/s/.ATTRIBUTES/py_state"] == b"x"
+    assert checkpoint.latest_checkpoint(str(tmp_path / "tf")) is None  # no files were really written
+
+    # A TF checkpoint (prefix.index) restores through checkpoint._reader.read_checkpoint, as our own.
+    ours = checkpoint.Checkpoint(model=model).write(str(tmp_path / "orbax"))
+    open(str(tmp_path / "fake.index"), "wb").close()
+    reader_mod = types.ModuleType("checkpoint._reader")
+
+    class TFLikeReader:  # the reader protocol only: no get_many, no get_into
+        def __init__(self):
+            self._r = _orbax.OrbaxReader(ours)
+            self.object_graph = self._r.object_graph
+            self.keys, self.shape, self.dtype, self.get = self._r.keys, self._r.shape, self._r.dtype, self._r.get
+
+    reader_mod.read_checkpoint = lambda p: TFLikeReader()
+    monkeypatch.setitem(sys.modules, "checkpoint._reader", reader_mod)
+    template = {"w": varstate.Variable(jnp.zeros(3)), "n": 0, "s": ""}
+    got = checkpoint.Checkpoint(model=template).restore(str(tmp_path / "fake")).assert_consumed().model
+    assert got["w"].value.tolist() == [0.0, 1.0, 2.0] and got["n"] == 4 and got["s"] == "x"
+    reader_mod.read_checkpoint = lambda p: types.SimpleNamespace(object_graph=None)
+    with pytest.raises(ValueError, match=r"name-based checkpoint \(no object graph\).*restore_by_name"):
+        checkpoint.Checkpoint(model=template).restore(str(tmp_path / "fake"))
+
+
+def test_unknown_format_and_reserved_root_name(tmp_path):
+    with pytest.raises(ValueError, match="unknown format 'zip'"):
+        checkpoint.Checkpoint(w=jnp.ones(1)).write(str(tmp_path / "c"), format="zip")
+    with pytest.raises(ValueError, match="'save_counter' is reserved"):
+        checkpoint.Checkpoint(save_counter=1)
+    with pytest.raises(AttributeError, match=r"Checkpoint has no root 'nope'; its roots are \['w'\]"):
+        _ = checkpoint.Checkpoint(w=1).nope
