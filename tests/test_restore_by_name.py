@@ -1,0 +1,202 @@
+"""restore_by_name against a TF1 Saver checkpoint and what TF's init_from_checkpoint did with it.
+
+Fixtures: tests/data/make_tf_name_based_fixtures.py (TensorFlow, run by hand).
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoint
+import varstate
+from checkpoint._bundle import write_bundle
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "tf_name_based")
+PREFIX = os.path.join(DATA, "model.ckpt-1234")
+with open(os.path.join(DATA, "expected.json")) as f:
+    EXPECTED = json.load(f)
+with open(os.path.join(DATA, "init_from_checkpoint.json")) as f:
+    TF_CASES = json.load(f)
+
+
+def expected(name):
+    e = EXPECTED[name]
+    return np.array(e["values"], dtype=e["dtype"]).reshape(e["shape"])
+
+
+def make(spec):
+    """varstate variables as TF created them in the fixture script (zeros, or ones)."""
+    registry = varstate.Registry()
+    out = {}
+    for name, s in spec.items():
+        fill = jnp.ones if s.get("init") == "ones" else jnp.zeros
+        value = fill(s["shape"], s["dtype"])
+        if s.get("parts"):
+            out[name] = varstate.PartitionedVariable(value, name=name, num_shards=s["parts"], registry=registry)
+        else:
+            out[name] = varstate.Variable(value, name=name, registry=registry)
+    return out
+
+
+def value_of(v):
+    return np.asarray(v.as_array() if isinstance(v, varstate.PartitionedVariable) else v.value)
+
+
+def ids(tree):
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, varstate.Variable))
+    return [v.resource_id for v in leaves if isinstance(v, varstate.Variable)]
+
+
+@pytest.mark.parametrize("case", sorted(c for c, s in TF_CASES.items() if "result" in s))
+def test_assignment_map_matches_tf_init_from_checkpoint(case):
+    spec = TF_CASES[case]
+    params = make(spec["variables"])
+    before = {n: value_of(v) for n, v in params.items()}
+    status = checkpoint.restore_by_name(PREFIX, params, [tuple(p) for p in spec["map"]])
+    assert jax.tree_util.tree_structure(status.params) == jax.tree_util.tree_structure(params)
+    assert ids(status.params) == ids(params)
+    changed = set()
+    for name, v in status.params.items():
+        want = np.array(spec["result"][name], dtype=spec["variables"][name]["dtype"])
+        got = value_of(v)
+        np.testing.assert_array_equal(got.ravel(), want)
+        if not np.array_equal(got, before[name]):
+            changed.add(name)
+    # The report: what TF initialized from the checkpoint is what we say matched.
+    assert set(status.matched) == changed
+    assert set(status.missing_in_checkpoint) == set(params) - changed
+    assert set(status.unused_in_checkpoint) == set(EXPECTED) - set(status.matched.values())
+
+
+ERRORS = {
+    "error_shape_mismatch": r"Shape of variable 'w' \(2, 4\) does not match the shape of tensor 'cls/weights' \(4, 2\)",
+    "error_tensor_missing": r"Tensor 'bert/encoder/layer_9/kernel' is not found in checkpoint .*model.ckpt-1234",
+    "error_scope_tensor_missing": r"Tensor 'bert/extra' is not found .* scope 'enc/' to 'bert/'.* 'enc/extra'",
+    "error_scope_to_name": r"assignment_map\['bert'\] = 'enc/': a scope must map to a checkpoint scope ending in '/'",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_errors_where_tf_raises_value_error(case):
+    spec = TF_CASES[case]
+    assert spec["error"]["type"] == "ValueError"
+    with pytest.raises(ValueError, match=ERRORS[case]):
+        checkpoint.restore_by_name(PREFIX, make(spec["variables"]), [tuple(p) for p in spec["map"]])
+
+
+def test_dtype_mismatch_is_an_error_as_in_tf():
+    # TF: "expected dtype double does not equal original dtype float" (float64 needs x64 here: use int32).
+    assert "expected dtype double does not equal original dtype float" in TF_CASES["error_dtype_mismatch"]["error"][
+        "message"]
+    params = make({"w": {"shape": [4, 2], "dtype": "int32"}})
+    with pytest.raises(TypeError, match=r"Dtype of variable 'w' \(int32\) does not match the dtype of tensor "
+                                        r"'cls/weights' \(float32\).*Create the variable with dtype float32"):
+        checkpoint.restore_by_name(PREFIX, params, {"cls/weights": "w"})
+
+
+def test_without_map_every_name_is_matched_and_the_rest_reported():
+    registry = varstate.Registry()
+    params = {
+        "bert": [varstate.Variable(jnp.zeros(e["shape"], e["dtype"]), name=n, registry=registry)
+                 for n, e in EXPECTED.items() if n.startswith("bert/") and "position" not in n],
+        "pos": varstate.PartitionedVariable(jnp.zeros((10, 3)), name="bert/embeddings/position_embeddings",
+                                            num_shards=4, registry=registry),
+        "step": varstate.get_or_create_global_step(registry),
+        "extra": varstate.uninitialized((2,), jnp.float32, name="extra/w", registry=registry),
+        "not_a_variable": jnp.ones(3),
+    }
+    status = checkpoint.restore_by_name(DATA, params)  # a directory: its `checkpoint` file's latest
+    restored = status.params
+    for v in restored["bert"]:
+        np.testing.assert_array_equal(v.value, expected(v.name))
+    np.testing.assert_array_equal(restored["pos"].as_array(), expected("bert/embeddings/position_embeddings"))
+    # Each shard holds its own slice of the reassembled tensor.
+    np.testing.assert_array_equal(restored["pos"][1].value, expected("bert/embeddings/position_embeddings")[3:6])
+    # TF's int64 global_step lands in JAX's 32-bit integer when x64 is off.
+    assert restored["step"].dtype == jnp.int32 and int(restored["step"].value) == int(expected("global_step"))
+    assert not restored["extra"].is_initialized
+    assert restored["not_a_variable"] is params["not_a_variable"]
+    assert ids(restored) == ids(params)
+    assert status.matched == {n: n for n in EXPECTED if n.startswith("bert/") or n == "global_step"}
+    assert status.missing_in_checkpoint == ("extra/w",)
+    assert status.unused_in_checkpoint == ("cls/weights", "counts", "scale")
+    with pytest.raises(AssertionError, match=r"Variables not found in the checkpoint: \['extra/w'\]"):
+        status.assert_existing_objects_matched()
+    with pytest.raises(AssertionError, match=r"Variables not found in the checkpoint"):
+        status.assert_consumed()
+
+
+def test_assert_consumed_passes_when_both_sides_are_used():
+    registry = varstate.Registry()
+    # int64 and float64 values land in JAX's 32-bit dtypes (x64 is off).
+    params = [varstate.Variable(jnp.zeros(e["shape"], jax.dtypes.canonicalize_dtype(e["dtype"])), name=n,
+                                registry=registry) for n, e in EXPECTED.items()]
+    status = checkpoint.restore_by_name(PREFIX, params)
+    assert status.assert_consumed() is status
+    for v in status.params:
+        np.testing.assert_array_equal(v.value, expected(v.name).astype(v.dtype))
+    partial = checkpoint.restore_by_name(PREFIX, params[:1])
+    assert partial.assert_existing_objects_matched() is partial
+    with pytest.raises(AssertionError, match=r"Unused checkpoint values: \[.*'global_step'.*\]"):
+        partial.assert_consumed()
+
+
+def test_variables_and_partitioned_variables_as_map_values():
+    registry = varstate.Registry()
+    w = varstate.Variable(jnp.zeros((4, 2)), name="head/w", registry=registry)
+    pos = varstate.PartitionedVariable(jnp.zeros((10, 3)), name="p", num_shards=3, registry=registry)
+    params = {"w": w, "pos": pos}
+    status = checkpoint.restore_by_name(PREFIX, params, {
+        "cls/weights": w,
+        "bert/embeddings/position_embeddings": list(pos),  # TF's list-of-shards form
+    })
+    np.testing.assert_array_equal(status.params["w"].value, expected("cls/weights"))
+    np.testing.assert_array_equal(status.params["pos"].as_array(), expected("bert/embeddings/position_embeddings"))
+    assert status.matched == {"head/w": "cls/weights", "p": "bert/embeddings/position_embeddings"}
+    stranger = varstate.Variable(jnp.zeros((4, 2)), name="stranger", registry=registry)
+    with pytest.raises(ValueError, match=r"\['cls/weights'\]: .*'stranger'.* is not a Variable of params"):
+        checkpoint.restore_by_name(PREFIX, params, {"cls/weights": stranger})
+    with pytest.raises(ValueError, match=r"slices must all be from the same variable, got \['head/w', 'p'\]"):
+        checkpoint.restore_by_name(PREFIX, params, {"cls/weights": [w, pos[0]]})
+
+
+def _restore_from(directory, tensors, params, assignment_map=None):
+    prefix = os.path.join(directory, "ckpt")
+    write_bundle(prefix, tensors)
+    return checkpoint.restore_by_name(prefix, params, assignment_map)
+
+
+def test_restore_keeps_a_mesh_sharding(tmp_path):
+    mesh = jax.make_mesh((8,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    v = varstate.uninitialized((8, 2), jnp.float32, name="emb", sharding=sharding, registry=varstate.Registry())
+    value = np.arange(16, dtype=np.float32).reshape(8, 2)
+    status = _restore_from(tmp_path, {"emb": value}, {"e": v})
+    assert status.params["e"].value.sharding == sharding
+    np.testing.assert_array_equal(status.params["e"].value, value)
+
+
+def test_int64_out_of_32_bit_range_is_an_error(tmp_path):
+    step = varstate.get_or_create_global_step(varstate.Registry())
+    with pytest.raises(ValueError, match=r"Tensor 'global_step' \(int64\) holds 1099511627776, out of range for "
+                                         r"variable 'global_step' \(int32; .*jax_enable_x64"):
+        _restore_from(tmp_path / "a", {"global_step": np.array(2**40, np.int64)}, step)
+    assert int(_restore_from(tmp_path / "b", {"global_step": np.array(-7, np.int64)}, step).params.value) == -7
+
+
+def test_bad_assignment_maps():
+    params = make({"enc/w": {"shape": [4, 2], "dtype": "float32"}})
+    with pytest.raises(TypeError, match=r"assignment_map must be a dict or a list of .* pairs, got int"):
+        checkpoint.restore_by_name(PREFIX, params, 3)
+    with pytest.raises(TypeError, match=r"assignment_map keys must be checkpoint names or scopes .* got 1"):
+        checkpoint.restore_by_name(PREFIX, params, {1: "enc/w"})
+    with pytest.raises(TypeError, match=r"assignment_map\['cls/weights'\]: expected a variable name, .* got float"):
+        checkpoint.restore_by_name(PREFIX, params, {"cls/weights": 1.5})
+    with pytest.raises(ValueError, match=r"params have no variable named 'enc'; to map a scope, end both sides "
+                                         r"with '/' \(e.g. 'cls/': 'enc/'\)"):
+        checkpoint.restore_by_name(PREFIX, params, {"cls/": "enc"})
+
