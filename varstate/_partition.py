@@ -109,7 +109,8 @@ class PartitionedVariable:
     `max_shard_bytes` or a `partitioner(shape, dtype) -> partitions`.
 
     >>> import jax.numpy as jnp, varstate
-    >>> pv = varstate.PartitionedVariable(jnp.arange(10.0).reshape(5, 2), name="emb", num_shards=2)
+    >>> pv = varstate.PartitionedVariable(jnp.arange(10.0).reshape(5, 2), name="emb", num_shards=2,
+    ...                                   registry=varstate.Registry())
     >>> [v.name for v in pv], [v.shape for v in pv], pv[0].save_slice_info.spec
     (['emb/part_0', 'emb/part_1'], [(3, 2), (2, 2)], '5 2 0,3:0,2')
     >>> bool((pv.as_array() == jnp.arange(10.0).reshape(5, 2)).all())
@@ -237,8 +238,9 @@ def expand_variables(var_list: Iterable[Any] | None) -> list[Any] | None:
     """Replaces each PartitionedVariable in `var_list` by its shards (TF's expanded list).
 
     >>> import jax.numpy as jnp, varstate
-    >>> pv = varstate.PartitionedVariable(jnp.zeros((4, 2)), name="p", num_shards=2)
-    >>> [v.name for v in varstate.expand_variables([pv, varstate.Variable(1.0, name="b")])]
+    >>> r = varstate.Registry()
+    >>> pv = varstate.PartitionedVariable(jnp.zeros((4, 2)), name="p", num_shards=2, registry=r)
+    >>> [v.name for v in varstate.expand_variables([pv, varstate.Variable(1.0, name="b", registry=r)])]
     ['p/part_0', 'p/part_1', 'b']
     """
     if var_list is None:
