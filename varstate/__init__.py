@@ -1,6 +1,8 @@
 """varstate: TensorFlow's resource variables as functional JAX pytrees."""
 
-from varstate import optimizers
+from varstate import mixed_precision, optimizers
+from varstate._autocast import AutoCastVariable, autocast
+from varstate._custom_gradient import custom_gradient
 from varstate._global_step import assert_global_step, get_or_create_global_step
 from varstate._indexed_slices import IndexedSlices, convert_to_tensor_or_indexed_slices
 from varstate._initializers import uninitialized, zero_initializer
@@ -24,6 +26,7 @@ from varstate._variable import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoCastVariable",
     "IndexedSlices",
     "PartitionedVariable",
     "Registry",
@@ -33,12 +36,15 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "assert_global_step",
+    "autocast",
     "convert_to_tensor_or_indexed_slices",
+    "custom_gradient",
     "expand_variables",
     "fixed_size_partitioner",
     "format_device",
     "get_or_create_global_step",
     "is_resource_variable",
+    "mixed_precision",
     "name_scope",
     "optimizers",
     "uninitialized",

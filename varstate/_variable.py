@@ -109,8 +109,16 @@ def _from_parts(value: Any, handle: ResourceHandle) -> Variable:
     return v
 
 
+# While a `custom_gradient` function runs, reads consult this hook (a function
+# of the Variable) so that lifted values replace closed-over ones; None
+# otherwise, which keeps the common read a single global check.
+_read_hook = None
+
+
 def _unwrap(x: Any) -> Any:
-    return x._value if isinstance(x, Variable) else x
+    if not isinstance(x, Variable):
+        return x
+    return x._value if _read_hook is None else _read_hook(x)
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, list, tuple)
@@ -246,7 +254,7 @@ class Variable:
     @property
     def value(self) -> Any:
         """The current value: a jax.Array (a tracer under jit), or a ShapeDtypeStruct if uninitialized."""
-        return self._value
+        return self._value if _read_hook is None else _read_hook(self)
 
     @property
     def is_initialized(self) -> bool:
@@ -280,7 +288,7 @@ class Variable:
                 f"Variable {self.name!r} is uninitialized (shape {self.shape}, {self.dtype}): "
                 "initialize it with varstate.zero_initializer(v), v.assign(...), or restore a checkpoint."
             )
-        return self._value
+        return self._value if _read_hook is None else _read_hook(self)
 
     # --- new versions -----------------------------------------------------
     def _checked(self, value: Any, op: str) -> Any:
@@ -463,13 +471,13 @@ def make_slot(primary: Variable, slot_name: str, value: Any) -> Variable:
 
 
 def _flatten_with_keys(v: Variable):
-    return ((_VALUE_KEY, v._value),), v._handle
+    return ((_VALUE_KEY, v._value if _read_hook is None else _read_hook(v)),), v._handle
 
 
 _VALUE_KEY = jax.tree_util.GetAttrKey("value")
 
 def _flatten(v: Variable):
-    return (v._value,), v._handle
+    return (v._value if _read_hook is None else _read_hook(v),), v._handle
 
 
 def _unflatten(handle: ResourceHandle, children: Any) -> Variable:

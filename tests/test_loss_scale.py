@@ -1,0 +1,122 @@
+"""LossScaleOptimizer: Keras's dynamic loss scale (fixture traces), skipped steps, scaling, errors."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import varstate
+from varstate.mixed_precision import LossScaleOptimizer
+from varstate.optimizers import Adam, GradientDescent, Momentum
+
+LS = json.loads((pathlib.Path(__file__).parent / "data" / "tf_custom_gradient.json").read_text())["loss_scale"]
+
+
+def test_defaults_and_variable_names_as_keras():
+    opt = LossScaleOptimizer(GradientDescent(0.1))
+    assert opt.initial_scale == LS["defaults"]["initial_scale"]
+    assert opt.growth_interval == LS["defaults"]["growth_steps"]
+    state = opt.init([varstate.Variable(jnp.ones(2), name="ls_defaults")])
+    assert sorted(state.non_slots) == sorted(LS["names"])
+    assert state.non_slot("current_loss_scale").value.dtype == jnp.float32
+    assert state.non_slot("current_loss_scale").value.item() == 2.0**15
+    assert state.non_slot("good_steps").value.item() == 0
+
+
+@pytest.mark.parametrize("case", ["basic", "floor_at_one", "no_growth_to_inf"])
+def test_scale_trace_matches_keras(case):
+    c = LS[case]
+    opt = LossScaleOptimizer(GradientDescent(1.0), initial_scale=c["initial"], growth_interval=c["growth_steps"])
+    w = varstate.Variable(jnp.zeros(2), name="ls_trace")
+    params, state = [w], opt.init([w])
+    trace = []
+    for kind in c["grads"]:
+        g = jnp.array([1.0, {"finite": 2.0, "inf": jnp.inf, "nan": jnp.nan}[kind]])
+        before = np.asarray(params[0].value)  # a copy: apply_gradients donates params
+        params, state = opt.apply_gradients([g], params, state)
+        applied = not np.array_equal(params[0].value, before)
+        trace.append([state.non_slot("current_loss_scale").value.item(), state.non_slot("good_steps").value.item(),
+                      applied])
+    assert trace == c["trace"]
+
+
+def test_skipped_step_leaves_params_and_inner_state_unchanged():
+    w = varstate.Variable(jnp.array([1.0, -1.0]), name="ls_skip")
+    for inner in (Adam(0.1), Momentum(0.1, momentum=0.9)):
+        opt = LossScaleOptimizer(inner, initial_scale=4.0)
+        params, state = opt.update([jnp.ones(2)], [w], opt.init([w]))
+        skipped_params, skipped = jax.jit(opt.update)([jnp.array([jnp.nan, 1.0])], params, state)
+        np.testing.assert_array_equal(skipped_params[0].value, params[0].value)
+        for name in state.get_slot_names():
+            np.testing.assert_array_equal(skipped.get_slot(w, name).value, state.get_slot(w, name).value)
+        for name in inner.init([w]).non_slots:  # Adam's beta powers do not advance
+            assert skipped.non_slot(name).value.item() == state.non_slot(name).value.item()
+        assert skipped.non_slot("current_loss_scale").value.item() == 2.0
+
+
+def test_finite_step_equals_the_inner_optimizer_step():
+    w = varstate.Variable(jnp.array([1.0, -1.0]), name="ls_same")
+    g = [jnp.array([0.3, -0.7])]
+    inner = Adam(0.1)
+    ref_params, ref_state = inner.update(g, [w], inner.init([w]))
+    opt = LossScaleOptimizer(inner)
+    params, state = opt.update(g, [w], opt.init([w]))
+    np.testing.assert_array_equal(params[0].value, ref_params[0].value)
+    np.testing.assert_array_equal(state.get_slot(w, "m").value, ref_state.get_slot(w, "m").value)
+    assert state.non_slot("good_steps").value.item() == 1
+
+
+def test_scaled_loss_and_unscaled_gradients():
+    w = varstate.Variable(jnp.array([0.5, 2.0]), name="ls_scale")
+    opt = LossScaleOptimizer(GradientDescent(0.1), initial_scale=1024.0)
+    state = opt.init({"w": w})
+
+    def loss(p):
+        return (p["w"].value ** 2).sum()
+
+    assert opt.get_scaled_loss(jnp.float32(3.0), state).item() == 3072.0
+    assert opt.get_scaled_loss(jnp.bfloat16(3.0), state).dtype == jnp.bfloat16
+    scaled = jax.grad(lambda p: opt.get_scaled_loss(loss(p), state))({"w": w})
+    unscaled = opt.get_unscaled_gradients(scaled, state)
+    np.testing.assert_array_equal(unscaled["w"].value, jax.grad(loss)({"w": w})["w"].value)
+    sparse = varstate.IndexedSlices(jnp.full((1, 2), 2048.0), jnp.array([1]), (3, 2))
+    out = opt.get_unscaled_gradients([None, sparse, jnp.float32(512.0)], state)
+    assert out[0] is None and out[1].values.tolist() == [[2.0, 2.0]] and out[1].indices.tolist() == [1]
+    assert out[2].item() == 0.5
+
+
+def test_sparse_non_finite_gradient_is_skipped():
+    emb = varstate.Variable(jnp.zeros((3, 2)), name="ls_emb")
+    opt = LossScaleOptimizer(GradientDescent(1.0), initial_scale=8.0)
+    state = opt.init([emb])
+    bad = varstate.IndexedSlices(jnp.array([[jnp.inf, 1.0]]), jnp.array([2]), (3, 2))
+    (new,), state = opt.apply_gradients([bad], [emb], state)
+    assert new.value.tolist() == [[0.0, 0.0]] * 3 and state.non_slot("current_loss_scale").value.item() == 4.0
+
+
+def test_fixed_scale():
+    w = varstate.Variable(jnp.ones(2), name="ls_fixed")
+    opt = LossScaleOptimizer(GradientDescent(0.5), dynamic=False, initial_scale=128.0)
+    state = opt.init([w])
+    assert state.non_slots == {}
+    assert opt.get_scaled_loss(1.0, state).item() == 128.0
+    (w2,), _ = opt.apply_gradients([jnp.ones(2)], [w], state)
+    assert w2.value.tolist() == [0.5, 0.5]
+
+
+def test_constructor_errors_as_keras():
+    with pytest.raises(TypeError, match=r"inner_optimizer must be a varstate.optimizers.Optimizer, got str"):
+        LossScaleOptimizer("sgd")
+    with pytest.raises(TypeError, match=r"dynamic must be a bool, got 'dynamic'"):
+        LossScaleOptimizer(GradientDescent(0.1), "dynamic")
+    with pytest.raises(TypeError, match=r"cannot wrap another LossScaleOptimizer"):
+        LossScaleOptimizer(LossScaleOptimizer(GradientDescent(0.1)))
+    with pytest.raises(ValueError, match=r"initial_scale must be given when dynamic=False"):
+        LossScaleOptimizer(GradientDescent(0.1), dynamic=False)
+    with pytest.raises(ValueError, match=r"growth_interval must be None when dynamic=False, got 10"):
+        LossScaleOptimizer(GradientDescent(0.1), dynamic=False, initial_scale=2.0, growth_interval=10)
+    with pytest.raises(ValueError, match=r"growth_interval must be a positive integer, got 0"):
+        LossScaleOptimizer(GradientDescent(0.1), growth_interval=0)

@@ -1,0 +1,216 @@
+"""`AutoCastVariable` and `autocast`: float32 storage read in a compute dtype (TF/Keras mixed precision).
+
+The wrapper is a pytree whose one child is the wrapped Variable, so under
+`jax.grad` the gradient lands on the float32 value (the cast is part of the
+differentiated computation), an optimizer walking params to their Variables
+updates the storage and rebuilds the wrapper, and a checkpoint sees the
+wrapped Variable (`__varstate_variable__`), with the plain variable's keys.
+
+The autocast dtype is read when a value is read, that is at trace time under
+`jax.jit`: enter `autocast` inside the jitted function, as a Keras layer does
+inside `call`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from varstate._variable import Variable
+
+_state = threading.local()
+
+
+def _cast_dtype() -> np.dtype | None:
+    return getattr(_state, "dtype", None)
+
+
+@contextlib.contextmanager
+def autocast(dtype: Any) -> Iterator[None]:
+    """Within the block (this thread), `AutoCastVariable` reads return `dtype` (TF's `enable_auto_cast_variables`).
+
+    A non-floating `dtype` (or None) turns casting off, as in TF.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> v = varstate.AutoCastVariable(varstate.Variable(jnp.ones(2), name="k"))
+    >>> with varstate.autocast(jnp.bfloat16):
+    ...     print(v.value.dtype, v.dtype, v.true_dtype)
+    bfloat16 bfloat16 float32
+    >>> print(v.value.dtype)
+    float32
+    """
+    if dtype is not None:
+        dtype = jnp.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            dtype = None
+    previous = _cast_dtype()
+    _state.dtype = dtype
+    try:
+        yield
+    finally:
+        _state.dtype = previous
+
+
+_new = object.__new__
+
+
+def _wrap(variable: Variable) -> AutoCastVariable:
+    out = _new(AutoCastVariable)
+    out._variable = variable
+    return out
+
+
+def _unwrap(x: Any) -> Any:
+    if isinstance(x, AutoCastVariable):
+        return x.value
+    return x.value if isinstance(x, Variable) else x
+
+
+class AutoCastVariable:
+    """A floating-point Variable whose reads are cast to the `autocast` dtype (TF's `AutoCastVariable`).
+
+    Outside `autocast` it behaves as the wrapped Variable. Inside, `value`,
+    `read_value()`, operators and indexing give the compute dtype and `dtype`
+    reports it; `true_dtype` is the storage dtype. `assign*` cast back to the
+    storage dtype and return a new wrapper. Other attributes (`name`,
+    `resource_id`, `shape`, `trainable`, ...) are the wrapped Variable's.
+    ValueError, as TF, for a non-Variable or a non-floating Variable.
+
+    >>> import jax, jax.numpy as jnp, varstate
+    >>> w = varstate.AutoCastVariable(varstate.Variable(jnp.full(2, 1.5), name="w"))
+    >>> def loss(w, x):
+    ...     with varstate.autocast(jnp.bfloat16):
+    ...         return (w * x).astype(jnp.float32).sum()
+    >>> g = jax.grad(loss)(w, jnp.ones(2, jnp.bfloat16))
+    >>> type(g).__name__, g.__varstate_variable__().value.dtype
+    ('AutoCastVariable', dtype('float32'))
+    """
+
+    __slots__ = ("_variable",)
+    _should_act_as_resource_variable = True
+    __hash__ = None  # type: ignore[assignment]  # elementwise __eq__, as Variable
+
+    def __init__(self, variable: Variable) -> None:
+        if not isinstance(variable, Variable):
+            raise ValueError(
+                f"AutoCastVariable wraps a varstate.Variable, got {type(variable).__name__}: "
+                "create it with AutoCastVariable(varstate.Variable(...))."
+            )
+        if not jnp.issubdtype(variable.dtype, jnp.floating):
+            raise ValueError(
+                f"AutoCastVariable wraps floating-point variables only, but {variable.name!r} has dtype "
+                f"{variable.dtype}; leave non-float variables unwrapped."
+            )
+        self._variable = variable
+
+    def __varstate_variable__(self) -> Variable:
+        """The wrapped Variable (what checkpoints save and restore)."""
+        return self._variable
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_variable":  # not yet set (copy/unpickle): do not recurse
+            raise AttributeError(name)
+        return getattr(self._variable, name)
+
+    @property
+    def true_dtype(self) -> np.dtype:
+        """The storage dtype of the wrapped variable."""
+        return self._variable.dtype
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype reads return: the autocast dtype inside `autocast`, else the storage dtype."""
+        return _cast_dtype() or self._variable.dtype
+
+    @property
+    def value(self) -> Any:
+        """The value, cast to the autocast dtype inside `autocast`."""
+        value = self._variable.value
+        dtype = _cast_dtype()
+        return value if dtype is None or dtype == value.dtype else value.astype(dtype)
+
+    def read_value(self) -> Any:
+        """As `value`; ValueError if the variable is uninitialized."""
+        value = self._variable.read_value()
+        dtype = _cast_dtype()
+        return value if dtype is None or dtype == value.dtype else value.astype(dtype)
+
+    def _to_storage(self, x: Any) -> Any:
+        x = _unwrap(x)
+        return jnp.asarray(x).astype(self._variable.dtype) if hasattr(x, "dtype") else x
+
+    def assign(self, value: Any) -> AutoCastVariable:
+        """A new wrapper around `variable.assign(value)`, cast to the storage dtype."""
+        return _wrap(self._variable.assign(self._to_storage(value)))
+
+    def assign_add(self, delta: Any) -> AutoCastVariable:
+        return _wrap(self._variable.assign_add(self._to_storage(delta)))
+
+    def assign_sub(self, delta: Any) -> AutoCastVariable:
+        return _wrap(self._variable.assign_sub(self._to_storage(delta)))
+
+    def _with_value(self, value: Any) -> AutoCastVariable:
+        return _wrap(self._variable._with_value(value))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.asarray(self.read_value(), dtype=dtype)
+        return out.copy() if copy else out
+
+    def __getitem__(self, idx: Any) -> Any:
+        return self.read_value()[idx]
+
+    def __len__(self) -> int:
+        return len(self._variable)
+
+    def __bool__(self) -> bool:
+        return bool(self.read_value())
+
+    def __float__(self) -> float:
+        return float(self.read_value())
+
+    def astype(self, dtype: Any) -> Any:
+        return self.read_value().astype(dtype)
+
+    @property
+    def T(self) -> Any:  # noqa: N802 - numpy's name
+        return self.read_value().T
+
+    def __repr__(self) -> str:
+        v = self._variable
+        return (f"<AutoCastVariable {v.name!r} shape={v.shape} dtype={v.dtype} "
+                f"dtype_to_cast_to={self.dtype} inner_variable={v!r}>")
+
+
+def _binary(op: Any, reflected: bool = False) -> Any:
+    if reflected:
+        return lambda self, other: op(_unwrap(other), self.read_value())
+    return lambda self, other: op(self.read_value(), _unwrap(other))
+
+
+for _name, _op in {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+    "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "matmul": operator.matmul,
+}.items():
+    setattr(AutoCastVariable, f"__{_name}__", _binary(_op))
+    setattr(AutoCastVariable, f"__r{_name}__", _binary(_op, reflected=True))
+for _name, _op in {
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq, "ne": operator.ne,
+}.items():
+    setattr(AutoCastVariable, f"__{_name}__", _binary(_op))
+for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}.items():
+    setattr(AutoCastVariable, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
+
+_KEY = jax.tree_util.GetAttrKey("_variable")
+jax.tree_util.register_pytree_with_keys(
+    AutoCastVariable,
+    lambda a: (((_KEY, a._variable),), None),
+    lambda _, children: _wrap(children[0]),
+    flatten_func=lambda a: ((a._variable,), None),
+)

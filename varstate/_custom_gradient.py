@@ -1,0 +1,379 @@
+"""`custom_gradient`: TF's decorator built on `jax.custom_vjp`, variables included.
+
+How variables get gradients. A `custom_vjp` function may not close over
+tracers of an enclosing `jax.grad` (UnexpectedTracerError), yet a TF-style
+function reads the variables it needs from its closure. So the decorated call
+runs `f` twice:
+
+1. under `jax.eval_shape` with a *recording* read hook: every Variable read
+   whose value comes from outside `f` (a concrete array, or a tracer of an
+   enclosing transformation) is noted, as TF's tape watches variable reads;
+2. inside the `custom_vjp`, whose primal inputs are the arguments plus the
+   recorded values, with a *substituting* read hook that hands `f` the
+   custom_vjp's own traced copies in place of the recorded values.
+
+The hook keys on the identity of the value object, not on the resource id, so
+a version that `f` makes itself (`v.assign(...)` inside `f`) is never replaced.
+`grad_fn`'s closure travels to the backward pass closure-converted (as
+`jax.closure_convert` does, but hoisting integer tracers too): the converted
+function rides in the residuals as static pytree data, its hoisted constants
+as ordinary residual arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core as _core
+
+from varstate import _variable
+from varstate._variable import Variable, _from_parts
+
+# ---------------------------------------------------------------------------
+# Read hook: a per-thread stack of contexts, installed in _variable while any
+# thread has one open.
+
+_local = threading.local()
+_lock = threading.Lock()
+_open_contexts = 0
+
+
+def _hook(v: Variable) -> Any:
+    val = v._value
+    for ctx in getattr(_local, "stack", ()):  # bottom to top: outer custom_gradients resolve first
+        val = ctx(v, val)
+    return val
+
+
+class _Context:
+    def __init__(self, read: Callable[[Variable, Any], Any]) -> None:
+        self.read = read
+
+    def __enter__(self) -> None:
+        global _open_contexts
+        stack = _local.__dict__.setdefault("stack", [])
+        stack.append(self.read)
+        with _lock:
+            _open_contexts += 1
+            _variable._read_hook = _hook
+
+    def __exit__(self, *exc: object) -> None:
+        global _open_contexts
+        _local.stack.pop()
+        with _lock:
+            _open_contexts -= 1
+            if not _open_contexts:
+                _variable._read_hook = None
+
+
+def _is_outside(val: Any, trace: Any) -> bool:
+    """True if `val` was not made under `trace` (f's own eval_shape trace)."""
+    if not isinstance(val, jax.Array):
+        return False  # uninitialized (ShapeDtypeStruct): nothing to lift
+    if not isinstance(val, _core.Tracer):
+        return True
+    t = val._trace
+    while t is not None:
+        if t is trace:
+            return False
+        t = getattr(t, "parent_trace", None)
+    return True
+
+
+# ---------------------------------------------------------------------------
+
+
+class _Static:
+    """A pytree with no children: carries a function through custom_vjp residuals."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.fn), lambda fn, _: _Static(fn))
+
+
+def _closure_convert(fn: Callable, example: Any) -> tuple[_Static, list]:
+    """`fn` as (static function of (args, consts), consts), every tracer it closes over hoisted.
+
+    Unlike `jax.closure_convert`, integer tracers (e.g. argmax indices) are
+    hoisted too: a forward trace's values must not leak into the backward one.
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(example)
+    jaxpr, consts, out_tree = closed.jaxpr, list(closed.consts), jax.tree.structure(out_shape)
+    hoist = [isinstance(c, _core.Tracer) for c in consts]
+    kept = [c for c, h in zip(consts, hoist, strict=True) if not h]
+
+    def converted(args: Any, hoisted: list) -> Any:
+        it_kept, it_hoisted = iter(kept), iter(hoisted)
+        merged = [next(it_hoisted) if h else next(it_kept) for h in hoist]
+        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(jaxpr, merged, *jax.tree.leaves(args)))
+
+    return _Static(converted), [c for c, h in zip(consts, hoist, strict=True) if h]
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, Variable) or hasattr(x, "__varstate_variable__")
+
+
+def _plain(tree: Any) -> Any:
+    """`tree` with each Variable (or AutoCastVariable) replaced by its stored value."""
+    def leaf(x):
+        if isinstance(x, Variable):
+            return x._value
+        return x.__varstate_variable__()._value if hasattr(x, "__varstate_variable__") else x
+    return jax.tree.map(leaf, tree, is_leaf=_is_var)
+
+
+def _accepts_variables(fn: Callable) -> tuple[bool, bool]:
+    """(accepts a `variables` keyword, names it explicitly)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True, False  # builtins and the like: let the call decide
+    named = any(p.name == "variables" and p.kind != p.POSITIONAL_ONLY for p in params)
+    return named or any(p.kind == p.VAR_KEYWORD for p in params), named
+
+
+def _cotangent(g: Any, primal: Any, where: str) -> Any:
+    """`g` checked and cast as the cotangent of `primal` (None: zero)."""
+    primal = jax.typeof(primal)
+    if g is None or not jnp.issubdtype(primal.dtype, jnp.inexact):
+        return None
+    if isinstance(g, Variable):
+        g = g._value
+    g = jnp.asarray(g)
+    if g.shape != primal.shape:
+        raise ValueError(
+            f"custom_gradient: grad_fn returned a gradient of shape {g.shape} for {where}, which has "
+            f"shape {primal.shape}; return one array per input with the input's shape (or None)."
+        )
+    return g.astype(primal.dtype)
+
+
+def _matches(arg: Any, g: Any) -> bool:
+    plain = _plain(arg)
+    if isinstance(g, (tuple, list)) and not isinstance(plain, (tuple, list)):
+        return False
+    try:
+        jax.tree.structure(plain).flatten_up_to(_plain(g))
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _count_error(fname: str, n: int, got: int) -> ValueError:
+    return ValueError(
+        f"custom_gradient: {fname} has {n} argument(s) but its grad_fn returned {got} gradient(s); "
+        f"return {n} gradient(s), one per argument{' as a tuple' if n > 1 else ''} (None for no gradient)."
+    )
+
+
+def _arg_cotangents(grads: Any, args: tuple, fname: str) -> list:
+    """Flat cotangent list for the leaves of `args`, from grad_fn's input gradients."""
+    n = len(args)
+    if n == 1:
+        if isinstance(grads, (tuple, list)) and not _matches(args[0], grads):
+            if len(grads) != 1:
+                raise _count_error(fname, 1, len(grads))
+            grads = grads[0]  # `(g,)` for the one argument
+        grads = (grads,)
+    elif not isinstance(grads, (tuple, list)) or len(grads) != n:
+        raise _count_error(fname, n, len(grads) if isinstance(grads, (tuple, list)) else 1)
+    out = []
+    for i, (arg, g) in enumerate(zip(args, grads, strict=True)):
+        plain = _plain(arg)
+        leaves, treedef = jax.tree.flatten(plain)
+        if g is None:
+            out.extend([None] * len(leaves))
+            continue
+        try:
+            flat = treedef.flatten_up_to(_plain(g))
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"custom_gradient: the gradient grad_fn returned for argument {i} of {fname} has structure "
+                f"{jax.tree.structure(_plain(g))}, expected the argument's structure {treedef}."
+            ) from None
+        out.extend(_cotangent(gl, pl, f"argument {i} of {fname}") for gl, pl in zip(flat, leaves, strict=True))
+    return out
+
+
+class _CustomGradient:
+    """The decorated function; binds like a method when used on a class."""
+
+    def __init__(self, f: Callable) -> None:
+        self._f = f
+        functools.update_wrapper(self, f)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        return _CustomGradient(self._f.__get__(instance, owner))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fname = getattr(self._f, "__name__", repr(self._f))
+        if kwargs:
+            raise ValueError(
+                f"custom_gradient: {fname} was called with keyword arguments {sorted(kwargs)}. As in TF's graph "
+                "mode (and every JAX trace is one), only positional arguments are supported: pass them "
+                "positionally, or bind non-differentiable ones with functools.partial before decorating."
+            )
+        return _call(self._f, fname, args)
+
+
+def _split(out: Any, fname: str) -> tuple[Any, Callable]:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and callable(out[1])):
+        raise TypeError(
+            f"custom_gradient: {fname} must return a pair (outputs, grad_fn) with grad_fn callable, "
+            f"got {type(out).__name__}."
+        )
+    return out[0], out[1]
+
+
+def _call(f: Callable, fname: str, args: tuple) -> Any:
+    # 1. Discover the variables f reads from outside (abstractly: no FLOPs).
+    probe: dict[str, Any] = {}
+
+    def record(*a):
+        trace = _core.unsafe_get_current_trace()
+        reads: dict[int, tuple[Any, Any]] = {}
+
+        def read(v, val):
+            if id(val) not in reads and _is_outside(val, trace):
+                reads[id(val)] = (v._handle, val)
+            return val
+
+        with _Context(read):
+            y, grad_fn = _split(f(*a), fname)
+        probe["reads"], probe["grad_fn"] = reads, grad_fn
+        return y
+
+    jax.eval_shape(record, *args)
+    arg_leaves = jax.tree.leaves(args)
+    arg_ids = {id(x) for x in arg_leaves}
+    reads = [r for k, r in probe["reads"].items() if k not in arg_ids]
+    reads.sort(key=lambda r: r[0].name)
+    is_diff = [h.trainable and jnp.issubdtype(val.dtype, jnp.inexact) for h, val in reads]
+    # TF hands grad_fn the trainable variables only; the others are lifted with zero cotangent.
+    reads = [r for r, d in zip(reads, is_diff, strict=True) if d] + [
+        r for r, d in zip(reads, is_diff, strict=True) if not d]
+    n_vars = sum(is_diff)
+    var_names = [h.name for h, _ in reads[:n_vars]]
+
+    accepts, named = _accepts_variables(probe["grad_fn"])
+    if n_vars and not accepts:
+        raise TypeError(
+            f"custom_gradient: grad_fn of {fname} must accept a keyword argument 'variables', because "
+            f"{fname} reads trainable Variables that are not among its arguments: {var_names}. Define "
+            "grad_fn(*dys, variables=None) and return (input_grads, variable_grads)."
+        )
+    if named and not n_vars:
+        warnings.warn(
+            f"custom_gradient: grad_fn of {fname} has a 'variables' parameter, but {fname} read no "
+            "trainable Variable outside its arguments; grad_fn will be called without 'variables'.",
+            UserWarning,
+            stacklevel=3,
+        )
+    originals = [val for _, val in reads]
+
+    # 2. The custom_vjp over (args, lifted values).
+    def substitute(a, lifted):
+        table = dict(zip(map(id, arg_leaves), jax.tree.leaves(a), strict=True))
+        table.update(zip(map(id, originals), lifted, strict=True))
+        return _Context(lambda v, val: table.get(id(val), val))
+
+    @jax.custom_vjp
+    def primal(a, lifted):
+        with substitute(a, lifted):
+            return _split(f(*a), fname)[0]
+
+    def fwd(a, lifted):
+        with substitute(a, lifted):  # grad_fn's own reads see the lifted values too
+            y, grad_fn = _split(f(*a), fname)
+            return y, _residuals(y, grad_fn, a, lifted)
+
+    def _residuals(y, grad_fn, a, lifted):
+        variables = [_from_parts(x, h) for (h, _), x in zip(reads[:n_vars], lifted, strict=False)]
+        a_tree = jax.tree.structure(a)
+
+        def backward(dys):
+            dys = tuple(dys) if isinstance(y, (tuple, list)) else (dys,)
+            if n_vars:
+                out = grad_fn(*dys, variables=variables)
+                if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                    raise ValueError(
+                        f"custom_gradient: {fname} reads Variables {var_names}, so its grad_fn must return "
+                        f"a pair (input_grads, variable_grads); got {type(out).__name__}."
+                    )
+                input_grads, var_grads = out
+                if var_grads is None or len(var_grads) != n_vars:
+                    raise ValueError(
+                        f"custom_gradient: grad_fn of {fname} returned "
+                        f"{0 if var_grads is None else len(var_grads)} variable gradients for {n_vars} "
+                        f"variables {var_names}; return one gradient (or None) per variable, in order."
+                    )
+            else:
+                input_grads, var_grads = grad_fn(*dys), ()
+            arg_cts = _arg_cotangents(input_grads, a, fname)
+            var_cts = [_cotangent(g, x, f"variable {n!r}")
+                       for g, x, n in zip(var_grads, lifted, var_names, strict=False)]
+            var_cts += [None] * (len(lifted) - n_vars)
+            return jax.tree.unflatten(a_tree, arg_cts), var_cts
+
+        return _closure_convert(backward, y)
+
+    def bwd(res, dys):
+        static, consts = res
+        return static.fn(dys, consts)
+
+    primal.defvjp(fwd, bwd)
+    return primal(args, originals)
+
+
+def custom_gradient(f: Callable | None = None) -> Any:
+    """Decorates `f(*args) -> (y, grad_fn)` so that `grad_fn` is its gradient (TF's `tf.custom_gradient`).
+
+    `grad_fn(*dys)` returns one gradient per argument (a pytree like the
+    argument, or None for zero); `dys` are the cotangents of `y` (one per
+    element when `y` is a tuple or list). If `f` reads trainable Variables
+    that are not among its arguments, `grad_fn(*dys, variables=[...])`
+    receives them (sorted by name) and returns `(input_grads,
+    variable_grads)`; those gradients reach an enclosing `jax.grad` over the
+    pytree that holds the variables. Works under `jit`, `grad`, `vmap` and
+    higher-order differentiation (when `grad_fn` is differentiable).
+
+    Errors as TF: ValueError for keyword arguments to `f` or a wrong number of
+    gradients; TypeError when `f` reads variables and `grad_fn` has no
+    `variables` keyword; a UserWarning when it names `variables` but none
+    were read.
+
+    >>> import jax, jax.numpy as jnp, varstate
+    >>> @varstate.custom_gradient
+    ... def clip_grad(x):
+    ...     return x, lambda dy: jnp.clip(dy, -1.0, 1.0)
+    >>> jax.grad(lambda x: 5.0 * clip_grad(x))(2.0).item()
+    1.0
+    >>> w = varstate.Variable(3.0, name="w")
+    >>> def loss(params, x):
+    ...     @varstate.custom_gradient
+    ...     def scale(x):
+    ...         def grad_fn(dy, variables):
+    ...             return dy * params["w"].value, [dy * x * 10.0]  # a deliberately non-true rule
+    ...         return x * params["w"].value, grad_fn
+    ...     return scale(x)
+    >>> g = jax.grad(loss)({"w": w}, 2.0)
+    >>> g["w"].value.item()
+    20.0
+    """
+    if f is None:
+        return custom_gradient
+    return _CustomGradient(f)

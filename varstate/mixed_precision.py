@@ -1,0 +1,113 @@
+"""Mixed precision: TF/Keras's `Policy`, wrapping a params pytree for autocasting, loss scaling.
+
+A training step in ``mixed_bfloat16``: keep the Variables in float32, wrap the
+float ones with `autocast_variables`, compute inside
+``varstate.autocast(policy.compute_dtype)``; with ``mixed_float16`` also wrap
+the optimizer in `LossScaleOptimizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from varstate._autocast import AutoCastVariable
+from varstate._variable import Variable
+from varstate.optimizers._loss_scale import LossScaleOptimizer
+
+__all__ = ["LossScaleOptimizer", "Policy", "autocast_variables"]
+
+_REMOVED = {
+    "infer_float32_vars": "'mixed_float16' or 'mixed_bfloat16'",
+    "infer_with_float32_vars": "'mixed_float16' or 'mixed_bfloat16'",
+    "float16_with_float32_vars": "'mixed_float16'",
+    "bfloat16_with_float32_vars": "'mixed_bfloat16'",
+}
+
+
+class Policy:
+    """A dtype policy (TF's `tf.keras.mixed_precision.Policy`): compute and variable dtypes by name.
+
+    ``"mixed_float16"`` / ``"mixed_bfloat16"`` compute in float16 / bfloat16
+    with float32 variables; any dtype name (``"float32"``) uses that dtype for
+    both. TypeError for a non-string name, ValueError for an unknown one or
+    a removed ``*_float32_vars`` policy (as TF).
+
+    >>> from varstate import mixed_precision
+    >>> p = mixed_precision.Policy("mixed_bfloat16")
+    >>> p, p.compute_dtype, p.variable_dtype
+    (<Policy "mixed_bfloat16">, 'bfloat16', 'float32')
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            hint = " (a dtype: pass its name, e.g. 'float32')" if isinstance(name, (type, jnp.dtype)) else ""
+            raise TypeError(f"Policy name must be a string, got {type(name).__name__} {name!r}{hint}.")
+        self._name = name
+        self._compute_dtype, self._variable_dtype = _parse(name)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype computations (and autocast reads) use, as a string."""
+        return self._compute_dtype
+
+    @property
+    def variable_dtype(self) -> str:
+        """The dtype variables are stored in, as a string."""
+        return self._variable_dtype
+
+    def __repr__(self) -> str:
+        return f'<Policy "{self._name}">'
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Policy) and other._name == self._name
+
+    def __hash__(self) -> int:
+        return hash(self._name)
+
+
+def _parse(name: str) -> tuple[str, str]:
+    if name.endswith("_float32_vars"):
+        use = _REMOVED.get(name)
+        raise ValueError(
+            f"Policy {name!r}: policies ending in '_float32_vars' were removed from TensorFlow"
+            + (f"; use {use} instead." if use else "; use 'mixed_float16' or 'mixed_bfloat16'.")
+        )
+    if name == "mixed_float16":
+        return "float16", "float32"
+    if name == "mixed_bfloat16":
+        return "bfloat16", "float32"
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name != name:
+        raise ValueError(
+            f"Cannot make a mixed precision Policy from {name!r}: expected 'mixed_float16', "
+            "'mixed_bfloat16' or a dtype name such as 'float32'."
+        )
+    return dtype.name, dtype.name
+
+
+def autocast_variables(params: Any) -> Any:
+    """`params` with each floating-point Variable wrapped in `AutoCastVariable` (others unchanged).
+
+    >>> import jax.numpy as jnp, varstate
+    >>> from varstate import mixed_precision
+    >>> params = {"w": varstate.Variable(jnp.ones(2), name="w"), "step": varstate.Variable(0, name="step")}
+    >>> wrapped = mixed_precision.autocast_variables(params)
+    >>> type(wrapped["w"]).__name__, type(wrapped["step"]).__name__
+    ('AutoCastVariable', 'Variable')
+    """
+    def wrap(x: Any) -> Any:
+        if isinstance(x, Variable) and jnp.issubdtype(x.dtype, jnp.floating):
+            return AutoCastVariable(x)
+        return x
+
+    return jax.tree.map(wrap, params, is_leaf=lambda x: isinstance(x, (Variable, AutoCastVariable)))

@@ -1,0 +1,165 @@
+"""`LossScaleOptimizer`: TF/Keras dynamic loss scaling around any varstate optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from varstate._indexed_slices import IndexedSlices
+from varstate._variable import Variable
+from varstate.optimizers._base import Optimizer
+from varstate.optimizers._state import OptimizerState
+
+_SCALE, _GOOD = "current_loss_scale", "good_steps"  # Keras's variable names (checkpoint keys)
+
+
+def _is_grad_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (Variable, IndexedSlices)) or hasattr(x, "__varstate_variable__")
+
+
+def _grad_value(g: Any) -> Any:
+    if hasattr(g, "__varstate_variable__"):
+        g = g.__varstate_variable__()
+    if isinstance(g, Variable):
+        return g.value
+    return g.values if isinstance(g, IndexedSlices) else g
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleOptimizer(Optimizer):
+    """Loss scaling around `inner_optimizer` (Keras's `LossScaleOptimizer`, TF 2 semantics).
+
+    Scale the loss with `get_scaled_loss`, differentiate, unscale with
+    `get_unscaled_gradients`, then `update`/`apply_gradients` the unscaled
+    gradients. With ``dynamic=True`` (the default), a step whose gradients
+    hold an Inf or NaN is skipped (params and the inner state unchanged) and
+    halves the scale (not below 1); after ``growth_interval`` consecutive
+    finite steps the scale doubles (unless that overflows). The state is the
+    inner `OptimizerState` plus the non-slot variables ``current_loss_scale``
+    (float32) and ``good_steps`` (int32), so it checkpoints like any optimizer
+    state. With ``dynamic=False`` the scale is the fixed ``initial_scale``.
+
+    Errors as Keras: TypeError for an inner object that is not an Optimizer,
+    a non-bool ``dynamic`` or a nested LossScaleOptimizer; ValueError for
+    ``dynamic=False`` without ``initial_scale`` or with ``growth_interval``.
+
+    >>> import jax, jax.numpy as jnp, varstate
+    >>> from varstate.optimizers import GradientDescent
+    >>> from varstate.mixed_precision import LossScaleOptimizer
+    >>> w = varstate.Variable(jnp.ones(2), name="w")
+    >>> opt = LossScaleOptimizer(GradientDescent(0.5), initial_scale=8.0, growth_interval=2)
+    >>> state = opt.init([w])
+    >>> loss = lambda p: (p[0].value ** 2).sum()
+    >>> grads = opt.get_unscaled_gradients(jax.grad(lambda p: opt.get_scaled_loss(loss(p), state))([w]), state)
+    >>> params, state = opt.apply_gradients(grads, [w], state)
+    >>> params[0].value.tolist(), state.non_slot("current_loss_scale").value.item()
+    ([0.0, 0.0], 8.0)
+    >>> params, state = opt.apply_gradients([jnp.array([jnp.inf, 0.0])], params, state)  # skipped
+    >>> params[0].value.tolist(), state.non_slot("current_loss_scale").value.item()
+    ([0.0, 0.0], 4.0)
+    """
+
+    inner_optimizer: Optimizer
+    dynamic: bool = True
+    initial_scale: float | None = None  # 2 ** 15 when dynamic
+    growth_interval: int | None = None  # 2000 when dynamic
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner_optimizer, LossScaleOptimizer):
+            raise TypeError(
+                "LossScaleOptimizer cannot wrap another LossScaleOptimizer: wrap its inner_optimizer instead."
+            )
+        if not isinstance(self.inner_optimizer, Optimizer):
+            raise TypeError(
+                f"LossScaleOptimizer: inner_optimizer must be a varstate.optimizers.Optimizer, got "
+                f"{type(self.inner_optimizer).__name__}."
+            )
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"LossScaleOptimizer: dynamic must be a bool, got {self.dynamic!r}.")
+        initial, growth = self.initial_scale, self.growth_interval
+        if self.dynamic:
+            initial = 2.0**15 if initial is None else initial
+            growth = 2000 if growth is None else growth
+        else:
+            if initial is None:
+                raise ValueError("LossScaleOptimizer: initial_scale must be given when dynamic=False.")
+            if growth is not None:
+                raise ValueError(
+                    f"LossScaleOptimizer: growth_interval must be None when dynamic=False, got {growth!r}."
+                )
+        object.__setattr__(self, "initial_scale", float(initial))
+        if growth is not None:
+            if int(growth) != growth or growth < 1:
+                raise ValueError(f"LossScaleOptimizer: growth_interval must be a positive integer, got {growth!r}.")
+            object.__setattr__(self, "growth_interval", int(growth))
+
+    def init(self, params: Any) -> OptimizerState:
+        """The inner optimizer's state plus ``current_loss_scale`` and ``good_steps`` (when dynamic)."""
+        state = self.inner_optimizer.init(params)
+        if not self.dynamic:
+            return state
+        taken = set(state.non_slots) & {_SCALE, _GOOD}
+        if taken:
+            raise ValueError(f"LossScaleOptimizer: the inner optimizer already has non-slot variables {taken}.")
+        first = next((p for p in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Variable))
+                      if isinstance(p, Variable)), None)
+        registry = first.handle.registry if first is not None else None
+        non_slots = dict(state.non_slots)
+        non_slots[_SCALE] = Variable(jnp.float32(self.initial_scale), name=_SCALE, trainable=False, registry=registry)
+        non_slots[_GOOD] = Variable(jnp.int32(0), name=_GOOD, trainable=False, registry=registry)
+        return OptimizerState(slots=state.slots, non_slots=non_slots)
+
+    def loss_scale(self, state: OptimizerState) -> Any:
+        """The current loss scale (float32 scalar)."""
+        if not self.dynamic:
+            return jnp.float32(self.initial_scale)
+        return state.non_slot(_SCALE).value
+
+    def get_scaled_loss(self, loss: Any, state: OptimizerState) -> Any:
+        """``loss * loss_scale``, in the loss's dtype."""
+        loss = jnp.asarray(loss)
+        return loss * self.loss_scale(state).astype(loss.dtype)
+
+    def get_unscaled_gradients(self, grads: Any, state: OptimizerState) -> Any:
+        """Each gradient times ``1 / loss_scale`` (None, IndexedSlices and Variables kept as such)."""
+        reciprocal = 1.0 / self.loss_scale(state)
+
+        def unscale(g: Any) -> Any:
+            if g is None:
+                return None
+            if isinstance(g, IndexedSlices):
+                values = _grad_value(g)
+                return IndexedSlices(values * reciprocal.astype(values.dtype), g.indices, g.dense_shape)
+            if isinstance(g, Variable) or hasattr(g, "__varstate_variable__"):
+                return jax.tree.map(lambda x: x * reciprocal.astype(x.dtype), g)
+            g = jnp.asarray(g)
+            return g * reciprocal.astype(g.dtype)
+
+        return jax.tree.map(unscale, grads, is_leaf=_is_grad_leaf)
+
+    def update(self, grads: Any, params: Any, state: OptimizerState, step: Any = None) -> tuple[Any, OptimizerState]:
+        """The inner update if every gradient is finite, else params and inner state unchanged; then the scale."""
+        if not self.dynamic:
+            return self.inner_optimizer.update(grads, params, state, step)
+        non_slots = dict(state.non_slots)
+        scale_var, good_var = non_slots.pop(_SCALE), non_slots.pop(_GOOD)
+        inner_state = OptimizerState(slots=state.slots, non_slots=non_slots)
+        leaves = [_grad_value(g) for g in jax.tree.leaves(grads, is_leaf=_is_grad_leaf) if g is not None]
+        finite = jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(g)).all() for g in leaves])) if leaves else True
+
+        new_params, new_inner = jax.lax.cond(
+            finite,
+            lambda: self.inner_optimizer.update(grads, params, inner_state, step),
+            lambda: (params, inner_state),
+        )
+        scale, good = scale_var.value, good_var.value
+        grow = good + 1 >= self.growth_interval
+        grown = scale * 2.0
+        scale = jnp.where(finite, jnp.where(grow & jnp.isfinite(grown), grown, scale), jnp.maximum(scale / 2.0, 1.0))
+        good = jnp.where(finite & ~grow, good + 1, 0).astype(good_var.dtype)
+        out = dict(new_inner.non_slots)
+        out[_SCALE], out[_GOOD] = scale_var._with_value(scale), good_var._with_value(good)
+        return new_params, OptimizerState(slots=new_inner.slots, non_slots=out)
