@@ -19,7 +19,9 @@ def _modules():
 
 
 @pytest.mark.parametrize("module", sorted(set(_modules())))
-def test_docstring_examples(module):
+def test_docstring_examples(module, monkeypatch):
+    # Examples run as in a fresh process: names like 'w' must not depend on other tests.
+    monkeypatch.setattr(varstate.Registry, "_default", varstate.Registry())
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {module}"
