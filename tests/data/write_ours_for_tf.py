@@ -1,0 +1,126 @@
+"""Step 1 of the TF checkpoint fixtures: checkpoints written by OUR code, for TensorFlow to check.
+
+Run by hand from the repository root, then run step 2 (make_tf_checkpoint_fixtures.py, in the
+TensorFlow venv), which restores these with TF and records what TF saw:
+
+    .venv/bin/python tests/data/write_ours_for_tf.py
+    /work/tfvenv/bin/python tests/data/make_tf_checkpoint_fixtures.py
+
+Writes under tests/data/tf_checkpoints/:
+  ours_bundle/      `write_bundle` with a hand-built TrackableObjectGraph: every dtype, a list, a dict
+                    key that needs escaping, TF v1 Adam slots and non-slots, save_counter.
+  ours_checkpoint/  `checkpoint.Checkpoint(model=..., optimizer=<varstate Adam state>).save(format="tf")`.
+"""
+
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+
+from checkpoint._bundle import GRAPH_KEY, write_bundle
+from checkpoint._reader import write_checkpoint_state
+from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_checkpoints")
+
+DTYPES = {
+    "float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
+    "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+    "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+    "bool": np.bool_, "complex64": np.complex64, "complex128": np.complex128,
+}
+STRINGS = np.array([b"", b"a", b"x" * 200, "h\u00e9llo".encode(), b"nul\x00byte"], dtype=object)
+
+
+def _escape(name: str) -> str:
+    return name.replace(".", "..").replace("/", ".S")
+
+
+def ours_bundle_tensors() -> dict:
+    """The values and the hand-built object graph of ours_bundle (TF's key and graph conventions)."""
+    rng = np.random.default_rng(0)
+    graph = TrackableObjectGraph()
+    tensors: dict = {}
+
+    def node(parent: int | None = None, local_name: str = "") -> int:
+        graph.nodes.add()
+        nid = len(graph.nodes) - 1
+        if parent is not None:
+            graph.nodes[parent].children.add(node_id=nid, local_name=local_name)
+        return nid
+
+    def variable(nid: int, key_path: str, full_name: str, value) -> None:
+        key = f"{key_path}/.ATTRIBUTES/VARIABLE_VALUE"
+        graph.nodes[nid].attributes.add(name="VARIABLE_VALUE", full_name=full_name, checkpoint_key=key)
+        tensors[key] = value
+
+    root = node()
+    model = node(root, "model")
+    optimizer = node(root, "optimizer")
+    kernel, bias = node(model, "kernel"), node(model, "bias")
+    variable(kernel, "model/kernel", "kernel", rng.normal(size=(3, 2)).astype(np.float32))
+    variable(bias, "model/bias", "bias", np.array([0.5, -0.25], np.float32))
+    dtypes = node(model, "dtypes")
+    for name, dt in DTYPES.items():
+        value = (rng.normal(size=(2, 3)) * 50).astype(dt) if np.dtype(dt).kind != "c" else (
+            rng.normal(size=(2, 3)) + 1j * rng.normal(size=(2, 3))).astype(dt)
+        if dt is np.bool_:
+            value = rng.normal(size=(2, 3)) > 0
+        variable(node(dtypes, name), f"model/dtypes/{name}", name, value)
+    variable(node(dtypes, "string"), "model/dtypes/string", "string", STRINGS)
+    variable(node(dtypes, "scalar"), "model/dtypes/scalar", "scalar", np.float64(2.5))
+    layers = node(model, "layers")
+    for i in range(2):
+        variable(node(node(layers, str(i)), "w"), f"model/layers/{i}/w", f"w_{i}", np.full(4, i + 1, np.float32))
+    table = node(model, "table")
+    variable(node(table, "a.b/c"), f"model/table/{_escape('a.b/c')}", "t", np.arange(3, dtype=np.int32))
+    for name, value in (("beta1_power", 0.9**2), ("beta2_power", 0.999**2)):
+        variable(node(optimizer, name), f"optimizer/{name}", name, np.float32(value))
+    for primary, path, shape in ((kernel, "model/kernel", (3, 2)), (bias, "model/bias", (2,))):
+        for slot in ("m", "v"):
+            nid = node()  # slot nodes are nobody's child
+            graph.nodes[optimizer].slot_variables.add(
+                original_variable_node_id=primary, slot_name=slot, slot_variable_node_id=nid
+            )
+            value = rng.uniform(0.1, 1.0, size=shape).astype(np.float32)
+            variable(nid, f"{path}/.OPTIMIZER_SLOT/optimizer/{slot}", f"{path}/{slot}", value)
+    variable(node(root, "save_counter"), "save_counter", "save_counter", np.int64(1))
+    for n in graph.nodes:  # TF marks every node whose subtree holds values
+        n.has_checkpoint_values.value = True
+    tensors[GRAPH_KEY] = graph.SerializeToString()
+    return tensors
+
+
+def ours_checkpoint(directory: str) -> str:
+    import jax.numpy as jnp
+
+    import checkpoint
+    import varstate
+    from varstate.optimizers import Adam
+
+    reg = varstate.Registry()
+    model = {
+        "kernel": varstate.Variable(jnp.arange(6.0).reshape(3, 2), name="kernel", registry=reg),
+        "bias": varstate.Variable(jnp.array([0.5, -0.5]), name="bias", registry=reg),
+    }
+    opt = Adam(0.1)
+    state = opt.init(model)
+    for step in range(2):
+        grads = {"kernel": jnp.full((3, 2), 0.5 + step), "bias": jnp.array([1.0, -2.0])}
+        model, state = opt.apply_gradients(grads, model, state)
+    return checkpoint.Checkpoint(model=model, optimizer=state).save(os.path.join(directory, "ckpt"), format="tf")
+
+
+def main() -> None:
+    for sub in ("ours_bundle", "ours_checkpoint"):
+        shutil.rmtree(os.path.join(OUT, sub), ignore_errors=True)
+    directory = os.path.join(OUT, "ours_bundle")
+    write_bundle(os.path.join(directory, "ckpt-1"), ours_bundle_tensors())
+    write_checkpoint_state(directory, os.path.join(directory, "ckpt-1"))
+    print("wrote", directory)
+    print("wrote", ours_checkpoint(os.path.join(OUT, "ours_checkpoint")))
+
+
+if __name__ == "__main__":
+    main()
