@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from checkpoint import _graph, _orbax
 from checkpoint._graph import ARRAY, CONTAINER, OPTIMIZER, PARTITIONED, PYTHON, VARIABLE
@@ -130,8 +129,10 @@ class Checkpoint:
         if format != "orbax":
             raise ValueError(f"Checkpoint.write: unknown format {format!r}; expected 'orbax' or 'tf'.")
         tree, meta = _orbax.layout(values, graph.proto)
-        checkpointer = _checkpointer or ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        checkpointer = _checkpointer or _orbax.checkpointer()
         checkpointer.save(path, args=_orbax.save_args(tree, meta), force=True)
+        if _checkpointer is None:
+            checkpointer.close()
         return path
 
     def save(self, file_prefix: str, format: str = "orbax") -> str:

@@ -9,7 +9,6 @@ import threading
 import time
 from typing import Any
 
-import orbax.checkpoint as ocp
 from google.protobuf import text_format
 
 from checkpoint import _orbax
@@ -137,8 +136,7 @@ class CheckpointManager:
         self._steps = sorted(
             s for s in (self._step_of(p) for p in listed) if s is not None and _exists(self._path(s))
         )
-        self._checkpointer: Any = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler()) if async_save else (
-            ocp.Checkpointer(ocp.CompositeCheckpointHandler()))
+        self._checkpointer: Any = _orbax.checkpointer(async_save)
         self._async = async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -72,7 +72,7 @@ class _Layout:
         self.large: dict[str, Any] = {}
         self.entries: dict[str, dict] = {}
 
-    def add_array(self, key: str, value: Any) -> dict:
+    def add_array(self, key: str, value: Any, **extra: Any) -> dict:
         if isinstance(value, jax.ShapeDtypeStruct):
             raise ValueError(
                 f"Cannot save {key!r}: the value is uninitialized (shape {value.shape}, {value.dtype}). "
@@ -81,7 +81,7 @@ class _Layout:
         dtype = np.dtype(value.dtype)
         if dtype.name not in _DTYPES:
             raise TypeError(f"Cannot save {key!r}: dtype {dtype} is not supported by the orbax format.")
-        entry = {"dtype": dtype.name, "shape": list(value.shape)}
+        entry = {"dtype": dtype.name, "shape": list(value.shape), **extra}
         nbytes = math.prod(value.shape) * dtype.itemsize
         if nbytes < _PACK_LIMIT:
             self.small.append((entry, value))
@@ -132,7 +132,7 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph) -> tuple[
             lay.entries[key] = {
                 "dtype": np.dtype(value[0][1].dtype).name,
                 "shape": list(info0.full_shape),
-                "slices": [dict(lay.add_array(key, v), spec=info.spec) for info, v in value],
+                "slices": [lay.add_array(key, v, spec=info.spec) for info, v in value],
             }
         else:
             lay.entries[key] = lay.add_array(key, value)
@@ -145,6 +145,16 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph) -> tuple[
         **extra,
     }
     return tree, meta
+
+
+def checkpointer(async_save: bool = False) -> ocp.AbstractCheckpointer:
+    """An orbax checkpointer for this layout: OCDBT, no compression (float weights barely
+    compress; zstd made saves 3x slower than the disk)."""
+    handler = ocp.CompositeCheckpointHandler(
+        values=ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=True),
+        meta=ocp.JsonCheckpointHandler(),
+    )
+    return ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
 
 
 def save_args(tree: dict, meta: dict) -> ocp.args.Composite:

@@ -1,0 +1,71 @@
+"""Partitioned variables: saved as slices of the full variable; restored into any partitioning."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoint
+import varstate
+from checkpoint import _orbax
+from varstate.optimizers import Adam
+
+FULL = np.arange(70, dtype=np.float32).reshape(10, 7) / 7
+KEY = "m/emb/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def pv(value, shards, name="emb"):
+    return varstate.PartitionedVariable(value, name=name, num_shards=shards)
+
+
+def test_shards_are_stored_as_slices_of_the_full_variable(tmp_path):
+    path = checkpoint.Checkpoint(m={"emb": pv(FULL, 3)}).write(str(tmp_path / "c"))
+    reader = _orbax.OrbaxReader(path)
+    assert reader.keys() == [KEY] and reader.shape(KEY) == (10, 7)
+    entry = reader._entries[KEY]
+    assert [s["spec"] for s in entry["slices"]] == ["10 7 0,4:0,7", "10 7 4,3:0,7", "10 7 7,3:0,7"]
+    np.testing.assert_array_equal(reader.get(KEY), FULL)
+    node = reader.object_graph.nodes[2]
+    assert node.attributes[0].full_name == "emb" and node.attributes[0].checkpoint_key == KEY
+
+
+@pytest.mark.parametrize("saved", [3, 2, 1, "array"])
+def test_restore_into_other_partitionings_and_a_sharded_array(tmp_path, saved):
+    source = varstate.Variable(jnp.asarray(FULL)) if saved == "array" else pv(FULL, saved)
+    path = checkpoint.Checkpoint(m={"emb": source}).write(str(tmp_path / "c"))
+    for shards in (3, 2, 1):
+        template = pv(np.zeros_like(FULL), shards, name=f"t{shards}")
+        got = checkpoint.Checkpoint(m={"emb": template}).restore(path).assert_consumed().m["emb"]
+        assert isinstance(got, varstate.PartitionedVariable) and len(got) == shards
+        assert [v.resource_id for v in got] == [v.resource_id for v in template]
+        np.testing.assert_array_equal(got.as_array(), FULL)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    template = varstate.uninitialized((10, 7), jnp.float32, sharding=sharding)
+    got = checkpoint.Checkpoint(m={"emb": template}).restore(path).assert_consumed().m["emb"]
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(got.value, FULL)
+
+
+def test_partitioned_slots_are_resliced_with_their_primary(tmp_path):
+    params = {"emb": pv(FULL, 3)}
+    opt = Adam(0.1)
+    state = opt.init(params)
+    grads = jax.tree.map(lambda v: jnp.ones_like(v.value), params, is_leaf=lambda x: isinstance(x, varstate.Variable))
+    params, state = opt.apply_gradients(grads, params, state)
+    path = checkpoint.Checkpoint(m=params, opt=state).write(str(tmp_path / "c"))
+    m_full = np.concatenate([np.asarray(state.get_slot(v, "m").value) for v in params["emb"]])
+    reader = _orbax.OrbaxReader(path)
+    np.testing.assert_array_equal(reader.get("m/emb/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE"), m_full)
+    template = {"emb": pv(np.zeros_like(FULL), 2, name="other")}
+    status = checkpoint.Checkpoint(m=template).restore(path)
+    restored_state = status.restore(opt=opt.init(status.m)).assert_consumed().opt
+    got = np.concatenate([np.asarray(restored_state.get_slot(v, "m").value) for v in status.m["emb"]])
+    np.testing.assert_array_equal(got, m_full)
+    np.testing.assert_array_equal(status.m["emb"].as_array(), np.concatenate([v.value for v in params["emb"]]))
+
+
+def test_partitioned_shape_mismatch_names_the_path(tmp_path):
+    path = checkpoint.Checkpoint(m={"emb": pv(FULL, 3)}).write(str(tmp_path / "c"))
+    with pytest.raises(ValueError, match=r"\(root\)\.m\.emb: .*has shape \(10, 7\), the object has shape \(12, 7\)"):
+        checkpoint.Checkpoint(m={"emb": pv(np.zeros((12, 7), np.float32), 2)}).restore(path)

@@ -1,0 +1,112 @@
+"""Crash safety (SIGKILL at several points of a save) and async saves followed by donated updates."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoint
+import varstate
+
+# The child saves steps 1, 2, 3, ... with a CheckpointManager (max_to_keep=2); at save 3 it
+# kills itself with SIGKILL at the point named by argv[2] (or it is killed from outside).
+CHILD = textwrap.dedent(
+    """
+    import os, shutil, signal, sys
+    import jax.numpy as jnp
+    import checkpoint, varstate
+    from checkpoint import _manager
+    from orbax.checkpoint._src.path import async_path
+
+    directory, point = sys.argv[1], sys.argv[2]
+    step = 0
+
+    def die(*args, **kwargs):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(module, name):
+        original = getattr(module, name)
+        def patched(*args, **kwargs):
+            die()
+            return original(*args, **kwargs)
+        setattr(module, name, patched)
+
+    if point == "before-commit":
+        wrap(async_path, "rename")         # values written to the temporary directory, not renamed
+    elif point == "before-state":
+        wrap(_manager, "_record_checkpoint")  # renamed, not yet recorded as the latest
+    elif point == "mid-state-write":
+        wrap(_manager.os, "fsync")         # state file half written beside the real one
+    elif point == "mid-delete":
+        wrap(_manager.shutil, "rmtree")    # deleting the oldest checkpoint
+    mgr = checkpoint.CheckpointManager(directory, max_to_keep=2)
+    while True:
+        step += 1
+        model = {"w": varstate.Variable(jnp.full(4, float(step))), "big": jnp.full(300_000, float(step))}
+        mgr.save(step, model=model)
+        print("saved", step, flush=True)
+    """
+)
+
+
+def run_child(directory, point):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, directory, point], stdout=subprocess.PIPE, text=True, env=env)
+    if point == "timed":
+        for line in proc.stdout:
+            if line.strip() == "saved 3":
+                time.sleep(0.05)  # somewhere inside save 4
+                proc.send_signal(signal.SIGKILL)
+                break
+    proc.wait(timeout=120)
+    out = proc.stdout.read() if not proc.stdout.closed else ""
+    proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL, out
+    return out
+
+
+@pytest.mark.parametrize("point", ["before-commit", "before-state", "mid-state-write", "mid-delete", "timed"])
+def test_a_killed_save_leaves_the_last_good_checkpoint(tmp_path, point):
+    directory = str(tmp_path)
+    run_child(directory, point)
+    latest = checkpoint.latest_checkpoint(directory)
+    assert latest is not None
+    step = int(latest.rsplit("-", 1)[1])
+    expected_min = 2 if point != "timed" else 3
+    assert step >= expected_min
+    template = {"w": varstate.Variable(jnp.zeros(4)), "big": jnp.zeros(300_000)}
+    got = checkpoint.Checkpoint(model=template).restore(latest).assert_consumed().model
+    assert got["w"].value.tolist() == [float(step)] * 4
+    np.testing.assert_array_equal(got["big"], np.full(300_000, float(step), np.float32))
+    # A new manager cleans the leftovers and carries on from the last good checkpoint.
+    mgr = checkpoint.CheckpointManager(directory, max_to_keep=2)
+    assert not [p for p in os.listdir(directory) if "tmp" in p]
+    assert mgr.latest_checkpoint == latest
+    mgr.save(step + 1, model=template)
+    assert checkpoint.latest_checkpoint(directory).endswith(f"ckpt-{step + 1}")
+
+
+def test_async_save_then_donated_updates_keeps_the_values_at_save_time(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), async_save=True)
+    params = {"big": varstate.Variable(jnp.ones(600_000)), "small": varstate.Variable(jnp.ones(8))}
+    step = jax.jit(lambda p: jax.tree.map(lambda v: v * 3.0 + 1.0, p), donate_argnums=0)
+    mgr.save(1, model=params)
+    saved_big = params["big"].value
+    for _ in range(5):
+        params = step(params)
+    assert saved_big.is_deleted()  # donated: the saved buffer was handed over to the update
+    mgr.wait_until_finished()
+    template = {"big": varstate.Variable(jnp.zeros(600_000)), "small": varstate.Variable(jnp.zeros(8))}
+    got = mgr.restore(model=template).assert_consumed().model
+    np.testing.assert_array_equal(got["big"].value, np.ones(600_000, np.float32))
+    np.testing.assert_array_equal(got["small"].value, np.ones(8, np.float32))
+    assert float(params["big"].value[0]) == 364.0
+    mgr.close()
