@@ -34,11 +34,11 @@ class NameBasedLoadStatus:
         (they keep the template's value).
       unused_in_checkpoint: checkpoint keys that no variable took.
 
-    >>> import jax.numpy as jnp, varstate, checkpoint, tempfile, os
+    >>> import numpy as np, jax.numpy as jnp, varstate, checkpoint, tempfile, os
     >>> prefix = os.path.join(tempfile.mkdtemp(), "model.ckpt")
-    >>> checkpoint._bundle.write_bundle(prefix, {"w": jnp.ones(2).__array__(), "step": jnp.int32(3).__array__()})
-    >>> status = checkpoint.restore_by_name(prefix, {"w": varstate.Variable(jnp.zeros(2), name="w",
-    ...                                                   registry=varstate.Registry())})
+    >>> checkpoint._bundle.write_bundle(prefix, {"w": np.ones(2, np.float32), "step": np.int64(3)})
+    >>> w = varstate.Variable(jnp.zeros(2), name="w", registry=varstate.Registry())
+    >>> status = checkpoint.restore_by_name(prefix, {"w": w})
     >>> status.matched, status.missing_in_checkpoint, status.unused_in_checkpoint
     ({'w': 'w'}, (), ('step',))
     >>> status.assert_consumed()
@@ -220,9 +220,9 @@ def restore_by_name(
     (naming both names and shapes) or a name missing from the checkpoint,
     TypeError for a dtype mismatch.
 
-    >>> import jax.numpy as jnp, varstate, checkpoint, tempfile, os
+    >>> import numpy as np, jax.numpy as jnp, varstate, checkpoint, tempfile, os
     >>> prefix = os.path.join(tempfile.mkdtemp(), "model.ckpt")
-    >>> checkpoint._bundle.write_bundle(prefix, {"bert/dense/kernel": jnp.full((2, 2), 5.0).__array__()})
+    >>> checkpoint._bundle.write_bundle(prefix, {"bert/dense/kernel": np.full((2, 2), 5.0, np.float32)})
     >>> r = varstate.Registry()
     >>> params = {"kernel": varstate.Variable(jnp.zeros((2, 2)), name="encoder/dense/kernel", registry=r)}
     >>> status = checkpoint.restore_by_name(prefix, params, {"bert/": "encoder/"})

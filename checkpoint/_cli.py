@@ -143,7 +143,7 @@ def _inspect(args) -> int:
     for key in keys:
         total += _nbytes(reader, key)
     title = f"{getattr(reader, 'prefix', None) or getattr(reader, 'path', args.path)}: {_format_name(reader)}"
-    footer = f"{len(keys)} values, {_human(total)} ({total} bytes)"
+    footer = f"{len(keys)} values, {_human(total)}" + (f" ({total} bytes)" if total >= 1024 else "")
     tty = _is_terminal()
     if _graph(reader) is not None:
         rows, seen = _graph_rows(_graph(reader), reader)

@@ -63,8 +63,17 @@ def test_inspect_name_based_lists_every_name_with_shape_dtype_bytes(capsys):
         assert str(value.shape) in line
         assert line.split(")")[-1].split()[:2] == [str(value.nbytes), "B"]
         total += value.nbytes
-    assert lines[-1] == f"{len(EXPECTED)} values, {total} B ({total} bytes)"
+    assert lines[-1] == f"{len(EXPECTED)} values, {total} B"
     assert len(lines) == len(EXPECTED) + 2
+
+
+def test_inspect_sizes_in_binary_units(capsys, tmp_path):
+    write_bundle(str(tmp_path / "big"), {"a": np.zeros((3, 256, 1024), np.float16), "b": np.zeros(300, np.int32)})
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "big"))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1].split(")")[-1].split() == ["1.5", "MiB"] and lines[2].split(")")[-1].split() == ["1.2", "KiB"]
+    assert lines[-1] == f"2 values, 1.5 MiB ({3 * 256 * 1024 * 2 + 1200} bytes)"
 
 
 def test_inspect_name_based_shows_the_saved_slices(capsys):
@@ -162,9 +171,9 @@ def test_inspect_object_based_tree_matches_tf_keys(capsys):
     total = 0
     for key, rec in record["tensors"].items():
         dtype, shape, nbytes = tf_info(rec)
-        assert found[key] == f"{dtype} {shape} {cli._human(nbytes)}", key
+        assert found[key] == f"{dtype} {shape} {nbytes} B", key
         total += nbytes
-    assert lines[-1] == f"{len(record['tensors'])} values, {cli._human(total)} ({total} bytes)"
+    assert total < 1024 and lines[-1] == f"{len(record['tensors'])} values, {total} B"
     # The variable reachable twice is shown once, under its first breadth-first path (TF's key).
     graph = text_format.Parse(record["object_graph"], TrackableObjectGraph())
 
@@ -281,3 +290,58 @@ def test_python_dash_m_checkpoint():
                           capture_output=True, text=True, env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "first values: [3, -1, 7]" in done.stdout
+
+
+def test_convert_object_based_keeps_graph_and_values_both_ways(capsys, tmp_path):
+    src = os.path.join(TF_DIR, "ours_checkpoint")
+    record = TF_EXPECTED["ours_checkpoint"]
+    orbax_dst, tf_dst = str(tmp_path / "orbax"), str(tmp_path / "tf" / "ckpt")
+    assert run(capsys, "convert", src, orbax_dst, "--to", "orbax")[0] == 0
+    assert run(capsys, "convert", orbax_dst, tf_dst, "--to", "tf")[0] == 0
+    graph = text_format.Parse(record["object_graph"], TrackableObjectGraph())
+    for path in (orbax_dst, tf_dst):
+        back = read_checkpoint(path)
+        assert back.object_graph == graph
+        assert sorted(back.keys()) == sorted(record["tensors"])
+        for key, rec in record["tensors"].items():
+            assert back.get(key).tobytes().hex() == rec["hex"], key
+        code, out, _ = run(capsys, "diff", src, path)
+        assert code == 0, out
+    # The converted orbax checkpoint is one our Checkpoint restores.
+    import jax.numpy as jnp
+
+    import checkpoint
+    import varstate
+
+    kernel = record["tensors"]["model/kernel" + SUFFIX]
+    template = {"kernel": varstate.Variable(jnp.zeros(kernel["shape"]), registry=varstate.Registry()),
+                "bias": varstate.Variable(jnp.zeros(record["tensors"]["model/bias" + SUFFIX]["shape"]),
+                                          registry=varstate.Registry())}
+    status = checkpoint.Checkpoint(model=template).restore(orbax_dst)
+    assert np.asarray(status.model["kernel"].value).tobytes().hex() == kernel["hex"]
+
+
+def test_convert_name_based_to_orbax_reassembles_slices(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "_is_terminal", lambda: True)  # with the progress bar
+    record = TF_EXPECTED["tf_name"]
+    dst = str(tmp_path / "orbax")
+    code, out, _ = run(capsys, "convert", os.path.join(TF_DIR, "tf_name"), dst, "--to", "orbax")
+    assert code == 0 and "verified by reading it back" in out
+    back = read_checkpoint(dst)
+    assert cli._graph(back) is None and sorted(back.keys()) == sorted(record["tensors"])
+    for key, rec in record["tensors"].items():
+        assert back.get(key).tobytes().hex() == rec["hex"], key
+
+
+def test_convert_strings_to_orbax_is_refused(capsys, tmp_path):
+    code, _, err = run(capsys, "convert", os.path.join(TF_DIR, "tf_object"), str(tmp_path / "o"), "--to", "orbax")
+    assert_one_line_error(code, err, r"'model/dtypes/string/\.ATTRIBUTES/VARIABLE_VALUE' is a string tensor, which "
+                                     r"the orbax format cannot hold; convert --to tf")
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_rich_tree_for_an_object_graph(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_is_terminal", lambda: True)
+    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "ours_checkpoint"))
+    assert code == 0
+    assert "├── model" in out and "slot 'm' of model/kernel" in out

@@ -200,3 +200,44 @@ def test_bad_assignment_maps():
                                          r"with '/' \(e.g. 'cls/': 'enc/'\)"):
         checkpoint.restore_by_name(PREFIX, params, {"cls/": "enc"})
 
+
+
+def test_tf1_adam_checkpoint_with_partitions_on_both_axes_into_params_and_optimizer_state():
+    """TF's own Saver checkpoint (tests/data/tf_checkpoints/tf_name): model, v1 Adam slots, global_step."""
+    from varstate import optimizers
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints", "expected.json")) as f:
+        record = json.load(f)["tf_name"]["tensors"]
+    prefix = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints", "tf_name")
+
+    def tf_value(key):
+        return np.frombuffer(bytes.fromhex(record[key]["hex"]), record[key]["dtype"]).reshape(record[key]["shape"])
+
+    r = varstate.Registry()
+    params = {
+        "dense": {"kernel": varstate.Variable(jnp.zeros((3, 2)), name="dense/kernel", registry=r),
+                  "bias": varstate.Variable(jnp.zeros(2), name="dense/bias", registry=r)},
+        # Saved in 3 row slices and 2 column slices; restored into other layouts.
+        "emb": varstate.PartitionedVariable(jnp.zeros((10, 4)), name="emb", num_shards=2, registry=r),
+        "proj": varstate.PartitionedVariable(jnp.zeros((4, 5)), name="proj", num_shards=3, axis=1, registry=r),
+    }
+    state = optimizers.Adam(0.1).init(params)
+    # TF1's Adam names its slots <var>/Adam and <var>/Adam_1; ours are <var>/m and <var>/v.
+    slot_map = {f"{v}/Adam{suffix}": f"{v}/{ours}" for v in ("dense/kernel", "dense/bias", "emb", "proj")
+                for suffix, ours in (("", "m"), ("_1", "v"))}
+    status = checkpoint.restore_by_name(prefix, state, {**slot_map, "beta1_power": "beta1_power",
+                                                        "beta2_power": "beta2_power"})
+    restored = checkpoint.restore_by_name(prefix, params)
+    for name in ("dense/kernel", "dense/bias"):
+        scope, leaf = name.split("/")
+        np.testing.assert_array_equal(restored.params[scope][leaf].value, tf_value(name))
+        np.testing.assert_array_equal(status.params.get_slot(restored.params[scope][leaf], "m").value,
+                                      tf_value(name + "/Adam"))
+    for name in ("emb", "proj"):
+        np.testing.assert_array_equal(restored.params[name].as_array(), tf_value(name))
+        slot_v = jnp.concatenate([status.params.get_slot(s, "v").value for s in params[name]],
+                                 axis=1 if name == "proj" else 0)
+        np.testing.assert_array_equal(slot_v, tf_value(name + "/Adam_1"))
+    assert float(status.params.non_slot("beta2_power").value) == float(tf_value("beta2_power"))
+    assert restored.missing_in_checkpoint == ()
+    assert set(restored.unused_in_checkpoint) == {"global_step", "beta1_power", "beta2_power", *slot_map}
