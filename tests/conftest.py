@@ -10,3 +10,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 assert jax.device_count() == 8, "XLA_FLAGS was set too late: jax was imported before conftest"
+
+import pytest  # noqa: E402
+
+import varstate  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_default_registry(monkeypatch):
+    """Each test sees a new default registry, so unique names do not depend on test order."""
+    monkeypatch.setattr(varstate.Registry, "_default", varstate.Registry())
