@@ -4,14 +4,18 @@ from varstate.optimizers._adagrad import Adagrad, RMSProp
 from varstate.optimizers._adam import Adam
 from varstate.optimizers._base import Optimizer
 from varstate.optimizers._gradient_descent import GradientDescent, Momentum
+from varstate.optimizers._loss_scale import LossScaleOptimizer
+from varstate.optimizers._optax import from_optax
 from varstate.optimizers._state import OptimizerState
 
 __all__ = [
     "Adagrad",
     "Adam",
     "GradientDescent",
+    "LossScaleOptimizer",
     "Momentum",
     "Optimizer",
     "OptimizerState",
     "RMSProp",
+    "from_optax",
 ]

@@ -270,8 +270,10 @@ class Optimizer:
         non_slots = {}
         first = next((p for p in leaves if isinstance(p, Variable)), None)
         registry = first.handle.registry if first is not None else None
+        placement = _scalar_placement(first)
         for name, value in self._non_slot_inits().items():
-            non_slots[name] = Variable(jnp.asarray(value, jnp.float32), name=name, trainable=False, registry=registry)
+            value = jnp.asarray(value, jnp.float32, device=placement)
+            non_slots[name] = Variable(value, name=name, trainable=False, registry=registry)
         return OptimizerState(slots=slots, non_slots=non_slots)
 
     def hyperparameters(self, step: Any = None) -> dict[str, Any]:
@@ -380,7 +382,28 @@ class Optimizer:
             params, state = _commit((params, state))
             if len(_SEEN) < 4096:
                 _SEEN.add(key)
-        return _jitted_update(self, grads, params, state, step)
+        try:
+            return _jitted_update(self, grads, params, state, step)
+        except TypeError:
+            _validate_grads(grads, params)  # TF's message for a gradient jit cannot take (e.g. a string)
+            raise
+
+
+def _validate_grads(grads: Any, params: Any) -> None:
+    p_leaves, g_leaves, _, paths = _flatten_grads(grads, params)
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+        if g is not None:
+            _convert_grad(g, _value(p), _label(paths[i], p))
+
+
+def _scalar_placement(first: Variable | None) -> Any:
+    """Where a non-slot scalar lives: with the first variable (TF colocates it), replicated over its mesh."""
+    sharding = getattr(first, "sharding", None) if first is not None else None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    return None
 
 
 def _make_slot(p: Any, slot_name: str, fill: float) -> Any:
@@ -404,8 +427,12 @@ _SEEN: set = set()  # (optimizer, grads treedef) already stepped by apply_gradie
 
 
 def _commit(tree: Any) -> Any:
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not isinstance(x, _core.Tracer)]
+    if len({d for x in arrays if x.committed for d in x.sharding.device_set}) > 1:
+        return tree  # placed across devices already: committing the rest to one device would clash
+
     def commit(x):
-        if isinstance(x, jax.Array) and not x.committed and not isinstance(x, _core.Tracer):
+        if isinstance(x, jax.Array) and not isinstance(x, _core.Tracer) and not x.committed:
             return jax.device_put(x, x.sharding, may_alias=True)
         return x
     return jax.tree.map(commit, tree)

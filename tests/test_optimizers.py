@@ -1,0 +1,403 @@
+"""Optimizers against TF v1 fixtures (tests/data/make_tf_optimizer_fixtures.py), closed forms and optax."""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import varstate
+from varstate import IndexedSlices, Variable
+from varstate.optimizers import Adagrad, Adam, GradientDescent, Momentum, Optimizer, RMSProp, from_optax
+from varstate.optimizers._base import _jitted_update
+
+FIXTURES = np.load(os.path.join(os.path.dirname(__file__), "data", "tf_optimizer_fixtures.npz"))
+NAMES = ("w", "b", "emb", "vec")  # w, b dense; emb (2-D) and vec (1-D) get IndexedSlices with duplicates
+
+TF_CASES = {
+    "gd": GradientDescent(0.1),
+    "momentum": Momentum(0.1, momentum=0.9),
+    "momentum_nesterov": Momentum(0.1, momentum=0.9, use_nesterov=True),
+    "adam": Adam(0.01),
+    "adam_eps": Adam(0.1, beta1=0.8, beta2=0.99, epsilon=0.1),
+    "adagrad": Adagrad(0.1),
+    "adagrad_init": Adagrad(0.3, initial_accumulator_value=2.0),
+    "rmsprop": RMSProp(0.01),
+    "rmsprop_momentum": RMSProp(0.02, decay=0.8, momentum=0.5, epsilon=1e-6),
+    "rmsprop_centered": RMSProp(0.02, decay=0.8, momentum=0.5, epsilon=1e-6, centered=True),
+}
+
+
+def _is_var(x):
+    return isinstance(x, Variable)
+
+
+def assert_tf_close(got, want, what):
+    # XLA evaluates a*b+c with one rounding (FMA) where TF's Eigen kernels round the product first;
+    # that is a few ulps, more on elements that nearly cancel (hence atol of 1e-7 of the array's scale).
+    want = np.asarray(want)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7 * np.abs(want).max(), err_msg=what)
+
+
+def _fixture_params():
+    return {k: Variable(jnp.asarray(FIXTURES[f"init/{k}"]), name=k) for k in NAMES}
+
+
+def _fixture_grads(step):
+    grads = {}
+    for k in NAMES:
+        if f"grad/{step}/{k}" in FIXTURES:
+            grads[k] = jnp.asarray(FIXTURES[f"grad/{step}/{k}"])
+        else:
+            values, indices = FIXTURES[f"grad/{step}/{k}/values"], FIXTURES[f"grad/{step}/{k}/indices"]
+            grads[k] = IndexedSlices(jnp.asarray(values), jnp.asarray(indices), FIXTURES[f"init/{k}"].shape)
+    return grads
+
+
+# --- TF numerics --------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", sorted(TF_CASES))
+def test_matches_tf_v1_dense_and_sparse(case):
+    opt = TF_CASES[case]
+    params = _fixture_params()
+    state = opt.init(params)
+    assert state.get_slot_names() == sorted(FIXTURES[f"{case}/slot_names"].tolist())
+    for step in (1, 2, 3):
+        params, state = opt.apply_gradients(_fixture_grads(step), params, state)
+        for k in NAMES:
+            assert_tf_close(params[k].value, FIXTURES[f"{case}/{step}/{k}"], f"{case} step {step} {k}")
+            for slot in state.get_slot_names():
+                got = state.get_slot(params[k], slot).value
+                assert_tf_close(got, FIXTURES[f"{case}/{step}/{k}/{slot}"], f"{case} step {step} {k}/{slot}")
+        for name, var in state.non_slots.items():
+            assert_tf_close(var.value, FIXTURES[f"{case}/{step}/{name}"], f"{case} step {step} {name}")
+
+
+@pytest.mark.parametrize("case", sorted(TF_CASES))
+def test_variables_are_exactly_those_of_a_tf_checkpoint(case):
+    params = _fixture_params()
+    state = TF_CASES[case].init(params)
+    ours = set()
+    for slot_name, tree in state.slots.items():
+        for slot in jax.tree.leaves(tree, is_leaf=_is_var):
+            key, primary = next((k, p) for k, p in params.items() if p.resource_id == slot.handle.slot_of)
+            assert slot.name == f"{primary.name}/{slot_name}" and slot.handle.slot_name == slot_name
+            assert not slot.trainable
+            ours.add(f"model/{key}/.OPTIMIZER_SLOT/optimizer/{slot_name}/.ATTRIBUTES/VARIABLE_VALUE")
+    ours |= {f"optimizer/{name}/.ATTRIBUTES/VARIABLE_VALUE" for name in state.non_slots}
+    assert ours == set(FIXTURES[f"{case}/checkpoint_keys"].tolist())
+
+
+def test_negative_learning_rate_is_accepted_as_tf_does():
+    w = Variable(jnp.asarray(FIXTURES["init/w"]), name="w")
+    opt = GradientDescent(-0.1)
+    (w,), _ = opt.apply_gradients([jnp.asarray(FIXTURES["grad/1/w"])], [w], opt.init([w]))
+    assert_tf_close(w.value, FIXTURES["negative_lr/w"], "negative lr")
+
+
+def test_adagrad_rejects_a_non_positive_initial_accumulator_like_tf():
+    tf_message = str(FIXTURES["adagrad_zero_accumulator_error"])
+    with pytest.raises(ValueError, match=re.escape(tf_message)):
+        Adagrad(0.1, initial_accumulator_value=0.0)
+
+
+def _lazy_adam_reference(var, m, v, grad_values, indices, t, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
+    # Hyperparameters are float32 tensors in TF (1 - float32(0.999) is 1.3e-5 off 0.001); the rest in float64.
+    lr, b1, b2, eps = (float(np.float32(x)) for x in (lr, b1, b2, eps))
+    var, m, v = var.copy(), m.copy(), v.copy()
+    uniq = sorted(set(indices.tolist()))
+    summed = {i: grad_values[indices == i].sum(axis=0) for i in uniq}
+    alpha = lr * np.sqrt(1 - b2**t) / (1 - b1**t)
+    for i in uniq:
+        m[i] = b1 * m[i] + (1 - b1) * summed[i]
+        v[i] = b2 * v[i] + (1 - b2) * summed[i] ** 2
+        var[i] -= alpha * m[i] / (np.sqrt(v[i]) + eps)
+    return var, m, v
+
+
+def test_lazy_adam_touches_only_the_given_rows_and_matches_its_closed_form():
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((10, 3)).astype(np.float32)
+    emb = Variable(jnp.asarray(table), name="emb")
+    opt = Adam(0.1, lazy=True)
+    params, state = [emb], opt.init([emb])
+    ref = (table.astype(np.float64), np.zeros((10, 3)), np.zeros((10, 3)))
+    for t, indices in enumerate([np.array([1, 4, 1]), np.array([4, 7, 7, 7])], start=1):
+        values = rng.standard_normal((len(indices), 3)).astype(np.float32)
+        before = np.asarray(params[0].value)
+        params, state = opt.apply_gradients([IndexedSlices(jnp.asarray(values), jnp.asarray(indices))], params, state)
+        ref = _lazy_adam_reference(*ref, values.astype(np.float64), indices, t)
+        after = np.asarray(params[0].value)
+        untouched = np.setdiff1d(np.arange(10), indices)
+        np.testing.assert_array_equal(after[untouched], before[untouched])
+        np.testing.assert_allclose(after, ref[0], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.get_slot(emb, "m").value), ref[1], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(state.get_slot(emb, "v").value), ref[2], rtol=1e-6, atol=1e-9)
+
+
+def test_dense_adam_moves_every_row_on_a_sparse_gradient_as_tf():
+    emb = Variable(jnp.ones((4, 2)), name="emb")
+    opt = Adam(0.1)
+    params, state = [emb], opt.init([emb])
+    params, state = opt.apply_gradients([IndexedSlices(jnp.ones((1, 2)), jnp.array([0]))], params, state)
+    params, state = opt.apply_gradients([IndexedSlices(jnp.ones((1, 2)), jnp.array([1]))], params, state)
+    # Step 2 decays m of row 0 and still moves it, although row 0 had no gradient in step 2.
+    assert float(params[0].value[0, 0]) < float(np.asarray(emb_after_one_step())[0, 0])
+    assert float(state.get_slot(emb, "m").value[0, 0]) == pytest.approx(0.1 * 0.9, rel=1e-6)
+
+
+def emb_after_one_step():
+    emb = Variable(jnp.ones((4, 2)), name="emb")
+    opt = Adam(0.1)
+    (emb,), _ = opt.apply_gradients([IndexedSlices(jnp.ones((1, 2)), jnp.array([0]))], [emb], opt.init([emb]))
+    return emb.value
+
+
+# --- conformance over every optimizer -----------------------------------------------------------
+ALL = {
+    "gd": lambda: GradientDescent(0.1),
+    "momentum": lambda: Momentum(0.1, 0.9, use_nesterov=True),
+    "adam": lambda: Adam(0.1),
+    "lazy_adam": lambda: Adam(0.1, lazy=True),
+    "adagrad": lambda: Adagrad(0.1),
+    "rmsprop": lambda: RMSProp(0.1, momentum=0.5, centered=True),
+    "optax_adam": lambda: from_optax(optax.adam(0.1)),
+}
+
+
+def _slot_vars(state):
+    return jax.tree.leaves(state.slots, is_leaf=_is_var)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_dtype_is_preserved(name, dtype):
+    opt = ALL[name]()
+    w = Variable(jnp.ones((4, 2), dtype), name="w")
+    params, state = opt.apply_gradients([jnp.full((4, 2), 0.5, dtype)], [w], opt.init([w]))
+    assert params[0].dtype == dtype
+    assert all(s.dtype == dtype for s in _slot_vars(state))
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("sparse", [False, True])
+def test_sharding_is_preserved_across_steps(name, sparse):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+    opt = ALL[name]()
+    w = Variable(jax.device_put(jnp.ones((16, 4)), sharding), name="w")
+    params, state = [w], opt.init([w])
+    assert all(s.sharding.is_equivalent_to(sharding, 2) for s in _slot_vars(state))
+    g = IndexedSlices(jnp.ones((3, 4)), jnp.array([1, 9, 1]), (16, 4)) if sparse else jnp.ones((16, 4))
+    for _ in range(2):
+        params, state = opt.apply_gradients([g], params, state)
+    assert params[0].sharding.is_equivalent_to(sharding, 2)
+    assert all(s.sharding.is_equivalent_to(sharding, 2) for s in _slot_vars(state))
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_none_gradients_and_non_trainable_variables_are_skipped(name):
+    opt = ALL[name]()
+    params = {
+        "a": Variable(jnp.ones(3), name="a"),
+        "b": Variable(jnp.full(3, 2.0), name="b"),
+        "frozen": Variable(jnp.full(3, 3.0), name="frozen", trainable=False),
+    }
+    state = opt.init(params)
+    assert all(s.handle.slot_of != params["frozen"].resource_id for s in _slot_vars(state))
+    params, state = opt.apply_gradients({"a": jnp.ones(3), "b": jnp.ones(3), "frozen": None}, params, state)
+    b_before = np.asarray(params["b"].value)
+    b_slots = {n: np.asarray(state.get_slot(params["b"], n).value) for n in state.get_slot_names()}
+    params, state = opt.apply_gradients({"a": jnp.ones(3), "b": None, "frozen": jnp.ones(3)}, params, state)
+    np.testing.assert_array_equal(np.asarray(params["b"].value), b_before)
+    for n, before in b_slots.items():
+        np.testing.assert_array_equal(np.asarray(state.get_slot(params["b"], n).value), before)
+    np.testing.assert_array_equal(np.asarray(params["frozen"].value), np.full(3, 3.0))
+    assert not np.array_equal(np.asarray(params["a"].value), np.ones(3))
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_no_recompile_after_the_first_step_and_donation_honoured(name):
+    opt = ALL[name]()
+    params = {"w": Variable(jnp.ones((3, 2)), name="w"), "b": Variable(jnp.zeros(2), name="b")}
+    state = opt.init(params)
+    grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    old_value, old_slots = params["w"].value, [s.value for s in _slot_vars(state)]
+    params, state = opt.apply_gradients(grads, params, state)
+    assert old_value.is_deleted() and all(s.is_deleted() for s in old_slots)
+    compiled = _jitted_update._cache_size()
+    for _ in range(3):
+        params, state = opt.apply_gradients(grads, params, state)
+    assert _jitted_update._cache_size() == compiled
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_slots_are_named_linked_and_keep_their_identity(name):
+    opt = ALL[name]()
+    w = Variable(jnp.ones((3, 2)), name="dense/kernel")
+    state = opt.init({"w": w})
+    slot_ids = {n: state.get_slot(w, n).resource_id for n in state.get_slot_names()}
+    for n in state.get_slot_names():
+        slot = state.get_slot(w, n)
+        assert slot.name == f"{w.name}/{n}" and w.name.startswith("dense/kernel")
+        assert slot.handle.slot_of == w.resource_id and slot.shape == w.shape
+    params, state = opt.apply_gradients({"w": jnp.ones((3, 2))}, {"w": w}, state)
+    assert {n: state.get_slot(params["w"], n).resource_id for n in state.get_slot_names()} == slot_ids
+    assert params["w"].resource_id == w.resource_id
+    assert state.get_slot(Variable(0.0), state.get_slot_names()[0] if slot_ids else "m") is None
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_update_inside_a_callers_jit_equals_apply_gradients(name):
+    opt = ALL[name]()
+
+    def fresh():
+        return {"w": Variable(jnp.arange(6.0).reshape(3, 2), name="w")}
+
+    grads = {"w": IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 0]), (3, 2))}
+    p1 = fresh()
+    p1, _ = jax.jit(opt.update)(grads, p1, opt.init(p1))
+    p2 = fresh()
+    p2, _ = opt.apply_gradients(grads, p2, opt.init(p2))
+    np.testing.assert_array_equal(np.asarray(p1["w"].value), np.asarray(p2["w"].value))
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_plain_array_params_get_plain_array_slots(name):
+    opt = ALL[name]()
+    arrays = {"w": jnp.arange(4.0)}
+    state = opt.init(arrays)
+    assert not any(_is_var(x) for x in jax.tree.leaves(state.slots, is_leaf=_is_var))
+    new, _ = opt.apply_gradients({"w": jnp.ones(4)}, arrays, state)
+    v = Variable(jnp.arange(4.0), name="w")
+    via_var, _ = opt.apply_gradients({"w": jnp.ones(4)}, {"w": v}, opt.init({"w": v}))
+    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(via_var["w"].value))
+
+
+# --- hyperparameters and step ---------------------------------------------------------------------
+def test_callable_learning_rate_uses_the_step_without_recompiling():
+    opt = GradientDescent(lambda step: 1.0 / (1.0 + step))
+    w = Variable(jnp.zeros(2), name="w")
+    params, state = [w], opt.init([w])
+    params, state = opt.apply_gradients([jnp.ones(2)], params, state, step=jnp.int32(0))
+    compiled = _jitted_update._cache_size()
+    params, state = opt.apply_gradients([jnp.ones(2)], params, state, step=jnp.int32(1))
+    assert _jitted_update._cache_size() == compiled
+    np.testing.assert_allclose(np.asarray(params[0].value), [-1.5, -1.5])
+    step = varstate.Variable(jnp.int32(3), name="global_step", trainable=False)
+    params, state = opt.apply_gradients([jnp.ones(2)], params, state, step=step)
+    np.testing.assert_allclose(np.asarray(params[0].value), [-1.75, -1.75])
+
+
+def test_callable_hyperparameter_without_step_is_an_error():
+    opt = Momentum(0.1, momentum=lambda step: 0.9)
+    w = Variable(jnp.zeros(2), name="w")
+    with pytest.raises(TypeError, match=r"Momentum.momentum is a callable of the step.*pass step="):
+        opt.apply_gradients([jnp.ones(2)], [w], opt.init([w]))
+
+
+def test_optimizers_are_hashable_static_configs():
+    assert hash(Adam(0.1)) == hash(Adam(np.float64(0.1))) and Adam(0.1) == Adam(np.float64(0.1))
+    assert Adam(jnp.asarray(0.5)) == Adam(0.5)
+    with pytest.raises(TypeError, match=r"Adam: learning_rate must be a float or a callable of the step, got str"):
+        Adam("fast")
+    assert isinstance(Adam(), Optimizer)
+
+
+# --- bad input --------------------------------------------------------------------------------------
+def _wb():
+    registry = varstate.Registry()  # unsuffixed names for the messages
+    return {
+        "w": Variable(jnp.ones((3, 2)), name="w", registry=registry),
+        "b": Variable(jnp.ones(2), name="b", registry=registry),
+    }
+
+
+def test_grads_with_another_structure_name_the_first_difference():
+    params = _wb()
+    opt = Adam()
+    with pytest.raises(ValueError, match=r"first difference at grads\['c'\] vs params\['w'\]"):
+        opt.apply_gradients({"b": jnp.ones(2), "c": jnp.ones((3, 2))}, params, opt.init(params))
+    with pytest.raises(ValueError, match=r"params\['w'\] has no matching gradient"):
+        opt.apply_gradients({"b": jnp.ones(2)}, params, opt.init(params))
+
+
+def test_gradient_shape_and_dtype_mismatch():
+    params = _wb()
+    opt = Momentum(0.1, 0.9)
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"for 'b' \(params\['b'\]\) has shape \(3,\), the variable has shape \(2,\)"):
+        opt.apply_gradients({"w": jnp.ones((3, 2)), "b": jnp.ones(3)}, params, state)
+    with pytest.raises(TypeError, match=r"gradient for 'b' .* has dtype int32, the variable has dtype float32"):
+        opt.apply_gradients({"w": jnp.ones((3, 2)), "b": jnp.ones(2, jnp.int32)}, params, state)
+    with pytest.raises(TypeError, match=r"for 'w' .* must be convertible to a Tensor or IndexedSlices, or None"):
+        opt.apply_gradients({"w": "grad", "b": jnp.ones(2)}, params, state)
+
+
+def test_indexed_slices_bad_indices_and_shapes():
+    params = _wb()
+    opt = Adagrad(0.1)
+    state = opt.init(params)
+
+    def step(g):
+        return opt.apply_gradients({"w": g, "b": None}, params, state)
+
+    with pytest.raises(IndexError, match=r"'w' .*index 7 at offset 1 in indices is out of range .*size 3"):
+        step(IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 7])))
+    with pytest.raises(IndexError, match=r"index -1 at offset 0 in indices is out of range"):
+        step(IndexedSlices(jnp.ones((1, 2)), np.array([-1])))
+    with pytest.raises(ValueError, match=r"values have shape \(2, 3\), expected \(2, 2\)"):
+        step(IndexedSlices(jnp.ones((2, 3)), jnp.array([0, 1])))
+    with pytest.raises(ValueError, match=r"dense_shape \(4, 2\) differs from the variable's shape \(3, 2\)"):
+        step(IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 1]), (4, 2)))
+    with pytest.raises(IndexError, match=r"index 3 at offset 0"):  # also checked by the pure update
+        opt.update({"w": IndexedSlices(jnp.ones((1, 2)), jnp.array([3])), "b": None}, params, state)
+
+
+def test_all_gradients_none_is_an_error_as_in_tf():
+    params = _wb()
+    opt = GradientDescent(0.1)
+    with pytest.raises(ValueError, match=r"no gradients provided for any variable.*'w'"):
+        opt.apply_gradients({"w": None, "b": None}, params, opt.init(params))
+
+
+def test_state_from_other_params_and_uninitialized_variables():
+    opt = Adam()
+    state = opt.init({"w": Variable(jnp.ones(2), name="w", trainable=False)})
+    with pytest.raises(ValueError, match=r"no slot 'm' for 'w2(_\d+)?'.*Call opt.init\(params\)"):
+        opt.update({"w": jnp.ones(2)}, {"w": Variable(jnp.ones(2), name="w2")}, state)
+    with pytest.raises(ValueError, match=r"'u(_\d+)?' is uninitialized"):
+        opt.init([varstate.uninitialized((2,), jnp.float32, name="u")])
+
+
+# --- from_optax ----------------------------------------------------------------------------------------
+def test_from_optax_matches_optax_and_names_its_state():
+    tx = optax.adam(0.05)
+    rng = np.random.default_rng(1)
+    init = {"w": rng.standard_normal((3, 2)).astype(np.float32), "b": rng.standard_normal(2).astype(np.float32)}
+    params = {k: Variable(jnp.asarray(x), name=k) for k, x in init.items()}
+    opt = from_optax(tx)
+    state = opt.init(params)
+    assert state.get_slot_names() == ["mu", "nu"] and sorted(state.non_slots) == ["count"]
+    assert state.get_slot(params["w"], "mu").name == params["w"].name + "/mu"
+    ref_params = {k: jnp.asarray(x) for k, x in init.items()}
+    ref_state = tx.init(ref_params)
+    for _ in range(3):
+        grads = {k: jnp.asarray(rng.standard_normal(x.shape).astype(np.float32)) for k, x in init.items()}
+        params, state = opt.apply_gradients(grads, params, state)
+        updates, ref_state = tx.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+    for k in init:
+        np.testing.assert_allclose(np.asarray(params[k].value), np.asarray(ref_params[k]), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.get_slot(params[k], "nu").value), np.asarray(ref_state[0].nu[k]))
+    assert int(state.non_slot("count").value) == 3
+
+
+def test_from_optax_disambiguates_repeated_field_names_and_rejects_non_transformations():
+    tx = optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(lambda count: -0.1))
+    state = from_optax(tx).init([Variable(jnp.ones(2), name="w")])
+    assert sorted(state.non_slots) == ["0_count", "1_count"]
+    with pytest.raises(TypeError, match=r"from_optax: expected an optax GradientTransformation.*got int"):
+        from_optax(3)

@@ -1,0 +1,163 @@
+"""`from_optax`: any optax GradientTransformation with its state as slot and non-slot Variables."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from varstate._indexed_slices import IndexedSlices
+from varstate._variable import Variable, make_slot
+from varstate.optimizers._base import (
+    Optimizer,
+    _check_indices_range,
+    _convert_grad,
+    _flatten_grads,
+    _is_var,
+    _label,
+    _value,
+)
+from varstate.optimizers._state import OptimizerState
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _layout(opt_state: Any, values: Any) -> tuple[Any, list[tuple[str, bool]]]:
+    """Splits an optax state into per-param subtrees (slots) and other leaves (non-slots).
+
+    Returns the treedef whose leaves are those parts, and for each part its
+    name and whether it is a slot. A part is a slot when it has the structure
+    of `values` (params with None at skipped positions) and the same shapes.
+    """
+    v_def = jax.tree.structure(values)
+    v_shapes = [x.shape for x in jax.tree.leaves(values)]
+
+    def per_param(x: Any) -> bool:
+        if x is None or jax.tree.structure(x) != v_def:
+            return False
+        return [getattr(y, "shape", None) for y in jax.tree.leaves(x)] == v_shapes
+
+    flat, outer = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=per_param)
+    parts = [(path, per_param(x)) for path, x in flat]
+    short = [_key_name(path[-1]) if path else "state" for path, _ in parts]
+    names = []
+    for (path, is_slot), name in zip(parts, short, strict=True):
+        if short.count(name) > 1:  # e.g. two `count`s in a chain: spell the whole path
+            name = "_".join(_key_name(k) for k in path)
+        names.append((name, is_slot))
+    return outer, names
+
+
+@dataclasses.dataclass(frozen=True)
+class _OptaxOptimizer(Optimizer):
+    tx: Any
+    name: str = "optax"
+
+    def _values(self, p_leaves: list, p_def: Any) -> Any:
+        # Non-trainable Variables are hidden from optax (None), so they get no state, as in TF.
+        return p_def.unflatten(
+            [None if isinstance(p, Variable) and not p.trainable else _value(p) for p in p_leaves]
+        )
+
+    def init(self, params: Any) -> OptimizerState:
+        p_leaves, p_def = jax.tree.flatten(params, is_leaf=_is_var)
+        values = self._values(p_leaves, p_def)
+        opt_state = self.tx.init(values)
+        outer, names = _layout(opt_state, values)
+        first = next((p for p in p_leaves if isinstance(p, Variable)), None)
+        registry = first.handle.registry if first is not None else None
+        slots, non_slots = {}, {}
+        for part, (name, is_slot) in zip(outer.flatten_up_to(opt_state), names, strict=True):
+            if is_slot:
+                made = [
+                    None if s is None else make_slot(p, name, s) if isinstance(p, Variable) else s
+                    for p, s in zip(p_leaves, p_def.flatten_up_to(part), strict=True)
+                ]
+                slots[name] = p_def.unflatten(made)
+            else:
+                non_slots[name] = Variable(part, name=name, trainable=False, registry=registry)
+        return OptimizerState(slots=slots, non_slots=non_slots)
+
+    def update(self, grads: Any, params: Any, state: OptimizerState, step: Any = None) -> tuple[Any, OptimizerState]:
+        del step  # optax transformations count their own steps
+        p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
+        values = self._values(p_leaves, p_def)
+        v_leaves = p_def.flatten_up_to(values)
+        dense, skipped = [], []
+        for i, (p, g, v) in enumerate(zip(p_leaves, g_leaves, v_leaves, strict=True)):
+            if v is None:
+                dense.append(None)
+                continue
+            if g is None:  # TF skips the variable: feed zeros, then keep its old value and slots
+                skipped.append(i)
+                dense.append(jnp.zeros_like(v))
+                continue
+            g = _convert_grad(g, v, _label(paths[i], p))
+            if isinstance(g, IndexedSlices):
+                _check_indices_range(g.indices, v.shape[0], _label(paths[i], p))
+                g = IndexedSlices(g.values, g.indices, v.shape).to_dense()
+            dense.append(g)
+        outer, names = _layout(jax.eval_shape(self.tx.init, values), values)
+        parts = []
+        for name, is_slot in names:
+            if is_slot:
+                parts.append(p_def.unflatten([
+                    None if s is None else _value(s) for s in p_def.flatten_up_to(state.slots[name])
+                ]))
+            else:
+                parts.append(state.non_slots[name]._value)
+        updates, new_opt_state = self.tx.update(p_def.unflatten(dense), outer.unflatten(parts), values)
+        u_leaves = p_def.flatten_up_to(updates)
+        new_p = []
+        for i, (p, v, u) in enumerate(zip(p_leaves, v_leaves, u_leaves, strict=True)):
+            if v is None or i in skipped:
+                new_p.append(p)
+                continue
+            new_v = (v + u).astype(v.dtype)
+            new_p.append(p._with_value(new_v) if isinstance(p, Variable) else new_v)
+        slots, non_slots = {}, {}
+        for part, (name, is_slot) in zip(outer.flatten_up_to(new_opt_state), names, strict=True):
+            if is_slot:
+                old = p_def.flatten_up_to(state.slots[name])
+                new = p_def.flatten_up_to(part)
+                slots[name] = p_def.unflatten([
+                    o if o is None or i in skipped else o._with_value(n) if isinstance(o, Variable) else n
+                    for i, (o, n) in enumerate(zip(old, new, strict=True))
+                ])
+            else:
+                non_slots[name] = state.non_slots[name]._with_value(part)
+        return p_def.unflatten(new_p), OptimizerState(slots=slots, non_slots=non_slots)
+
+
+def from_optax(tx: Any, name: str = "optax") -> Optimizer:
+    """Hosts an optax ``GradientTransformation`` as an `Optimizer` with identity-linked state.
+
+    The parts of the optax state shaped like the params (e.g. Adam's ``mu``
+    and ``nu``) become slot Variables named after their field, linked to
+    their primaries; everything else (e.g. ``count``) becomes non-slot
+    Variables. Field names that occur twice are spelled with their path
+    (``0_count``). None gradients leave their variable and its slots
+    untouched (TF's rule; optax itself sees a zero gradient);
+    `IndexedSlices` are densified; non-trainable Variables get no state.
+
+    >>> import jax.numpy as jnp, optax, varstate
+    >>> from varstate.optimizers import from_optax
+    >>> w = varstate.Variable(jnp.ones(2), name="w")
+    >>> opt = from_optax(optax.adam(0.1))
+    >>> state = opt.init({"w": w})
+    >>> params, state = opt.apply_gradients({"w": jnp.ones(2)}, {"w": w}, state)
+    >>> state.get_slot(w, "mu").name, sorted(state.non_slots), [round(x, 3) for x in params["w"].value.tolist()]
+    ('w/mu', ['count'], [0.9, 0.9])
+    """
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(
+            f"from_optax: expected an optax GradientTransformation (with init and update), got {type(tx).__name__}."
+        )
+    return _OptaxOptimizer(tx=tx, name=name)
