@@ -150,16 +150,18 @@ def _inspect(args) -> int:
         rows += [(0, f"{k} (outside the object graph)  " + " ".join(map(str, _describe(reader, k)[:2])))
                  for k in keys if k not in seen]
         if tty:
+            from rich.text import Text
             from rich.tree import Tree
 
-            root = Tree(title)
+            # Text, not markup: names may hold brackets.
+            root = Tree(Text(title))
             stack = [root]
             for depth, label in rows:
                 del stack[depth + 1:]
-                stack.append(stack[depth].add(label))
+                stack.append(stack[depth].add(Text(label)))
             console = _console()
             console.print(root)
-            console.print(footer)
+            console.print(footer, markup=False)
         else:
             print(title)
             for depth, label in rows:
@@ -170,12 +172,13 @@ def _inspect(args) -> int:
     table = [(k, *_describe(reader, k), f"{len(slices(k))} slices" if slices(k) else "") for k in keys]
     if tty:
         from rich.table import Table
+        from rich.text import Text
 
-        t = Table(title=title, caption=footer)
+        t = Table(title=Text(title), caption=footer)
         for col in ("name", "dtype", "shape", "bytes", "saved as"):
             t.add_column(col, justify="right" if col == "bytes" else "left")
         for name, dtype, shape, size, note in table:
-            t.add_row(name, dtype, shape, _human(size), note)
+            t.add_row(Text(name), dtype, shape, _human(size), note)
         _console().print(t)
     else:
         print(title)
@@ -240,8 +243,6 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
-    import orbax.checkpoint as ocp
-
     from checkpoint import _orbax
     from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
@@ -250,7 +251,11 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
             raise _UsageError(f"{key!r} is a string tensor, which the orbax format cannot hold; convert --to tf")
     # A name-based checkpoint keeps its names as keys, with an empty object graph.
     tree, meta = _orbax.layout(tensors, graph if graph is not None else TrackableObjectGraph())
-    ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(os.path.abspath(path), args=_orbax.save_args(tree, meta))
+    checkpointer = _orbax.checkpointer()
+    try:
+        checkpointer.save(os.path.abspath(path), args=_orbax.save_args(tree, meta))
+    finally:
+        checkpointer.close()
 
 
 def _convert(args) -> int:
@@ -331,6 +336,7 @@ def _diff(args) -> int:
     verdict = f"{'differ' if differ else 'match'} ({len(ka & kb)} shared keys, atol={args.atol:g})"
     if _is_terminal():
         from rich.table import Table
+        from rich.text import Text
 
         console = _console()
         for line in lines:
@@ -339,7 +345,7 @@ def _diff(args) -> int:
         for col in ("key", "max |A - B|", ""):
             t.add_column(col)
         for row in rows:
-            t.add_row(*row)
+            t.add_row(Text(row[0]), *row[1:])
         console.print(t)
     else:
         for line in lines:
