@@ -288,12 +288,19 @@ def _convert(args) -> int:
 
 # --- diff ----------------------------------------------------------------------
 def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
-    if a.dtype.kind == "O":
+    if _is_str(a.dtype):
         return 0.0 if _same(a, b) else float("inf")
     if a.size == 0:
         return 0.0
     if a.dtype.kind == "b":
         return float(np.any(a != b))
+    if a.dtype.kind in "iu":
+        # Exact in uint64 (modular subtraction of the larger minus the smaller): float64
+        # would call 2**60 and 2**60 + 1 equal.
+        wide = np.int64 if a.dtype.kind == "i" else np.uint64
+        ua, ub = a.astype(wide).view(np.uint64), b.astype(wide).view(np.uint64)
+        d = np.where(a.astype(wide) >= b.astype(wide), ua - ub, ub - ua)
+        return float(int(d.max()))
     wide = np.complex128 if a.dtype.kind == "c" else np.float64
     a, b = a.astype(wide), b.astype(wide)
     d = np.abs(a - b)

@@ -271,17 +271,38 @@ def test_diff_same_values_and_nan_positions(capsys, tmp_path):
     assert code == 1 and "max|A-B|=nan" in out
 
 
+def test_diff_integers_exactly(capsys, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    big = np.array([2**60, -(2**63), 5], np.int64)
+    write_bundle(a, {"n": big, "u": np.array([2**64 - 1, 0], np.uint64)})
+    write_bundle(b, {"n": big + np.array([1, 0, 0]), "u": np.array([0, 0], np.uint64)})
+    code, out, _ = run(capsys, "diff", a, b)
+    assert code == 1
+    rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()[:-1]}
+    assert rows == {"n": "max|A-B|=1", "u": f"max|A-B|={float(2**64 - 1):.6g}"}
+    write_bundle(b, {"n": np.array([-(2**63), 2**63 - 1, 5], np.int64), "u": np.array([2**64 - 1, 0], np.uint64)})
+    code, out, _ = run(capsys, "diff", a, b, "--atol", "1e30")  # |(2**63 - 1) - (-(2**63))| = 2**64 - 1
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[:-1]}
+    assert code == 0 and rows == {"n": [f"max|A-B|={float(2**64 - 1):.6g}", "match"], "u": ["max|A-B|=0", "match"]}
+
+
 def test_diff_error_is_exit_2(capsys, tmp_path):
     code, _, err = run(capsys, "diff", NAME_BASED, str(tmp_path / "missing"))
     assert_one_line_error(code, err, r".*missing.*")
 
 
 # --- terminal output (rich) and the entry point -------------------------------------
-def test_rich_output_when_stdout_is_a_terminal(capsys, monkeypatch):
+def test_rich_output_when_stdout_is_a_terminal(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "_is_terminal", lambda: True)
     code, out, _ = run(capsys, "inspect", NAME_BASED)
     assert code == 0 and "┃ name" in out and "bert/embeddings/word_embeddings" in out
     assert f"{len(EXPECTED)} values" in out
+    # Names are printed as text, never read as rich markup.
+    write_bundle(str(tmp_path / "b"), {"w[bold]": np.zeros(2, np.float32), "x[/]": np.ones(1, np.float32)})
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "b"))
+    assert code == 0 and "w[bold]" in out and "x[/]" in out
+    code, out, _ = run(capsys, "diff", str(tmp_path / "b"), str(tmp_path / "b"))
+    assert code == 0 and "w[bold]" in out and "x[/]" in out
 
 
 def test_python_dash_m_checkpoint():
