@@ -292,7 +292,8 @@ class BundleReader:
                     f"{path}: data shard missing (needed for key {key!r} of {self.index_path}); copy every "
                     f"{os.path.basename(self.prefix)}.data-* file with the .index"
                 ) from None
-            self._files[shard] = (fd, os.fstat(fd).st_size)
+            if self._files.setdefault(shard, (fd, os.fstat(fd).st_size))[0] != fd:
+                os.close(fd)  # another thread opened it first
         fd, file_size = self._files[shard]
         where = f"{path}: key {key!r}"
         if entry.offset < 0 or entry.size < 0 or entry.offset + entry.size > file_size:

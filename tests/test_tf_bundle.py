@@ -380,3 +380,22 @@ def test_sliced_entries_reassemble_and_bad_slices_are_refused(tmp_path):
     # A full tensor "of a terabyte" made of slices: refused before anything is allocated.
     with pytest.raises(CheckpointFormatError, match=r"overlap or do not cover its shape \(1099511627776,\)"):
         BundleReader(_sliced(tmp_path, [(0, 2)], full=(1 << 40,))).get("w")
+
+
+def test_truncated_tf_files_name_the_file_and_key(tmp_path):
+    directory = shutil.copytree(os.path.join(DATA, "tf_object"), tmp_path / "t")
+    data = os.path.join(directory, "ckpt-1.data-00000-of-00001")
+    reader = BundleReader(os.path.join(directory, "ckpt-1"))
+    last = max(reader.keys(), key=lambda k: reader.entry(k).offset)
+    end = reader.entry(last).offset + reader.entry(last).size
+    os.truncate(data, end - 1)
+    reader = BundleReader(os.path.join(directory, "ckpt-1"))
+    with pytest.raises(CheckpointFormatError, match=rf"ckpt-1\.data-00000-of-00001: key '{last}': value at offset "
+                       rf"\d+ with \d+ bytes runs past the end of the file \({end - 1} bytes\)"):
+        reader.get(last)
+    first = min(reader.keys(), key=lambda k: reader.entry(k).offset)
+    assert reader.get(first).tobytes() == _tf_value(EXPECTED["tf_object"]["tensors"][first]).tobytes()
+    index = os.path.join(directory, "ckpt-1.index")
+    os.truncate(index, os.path.getsize(index) - 1)
+    with pytest.raises(CheckpointFormatError, match=r"ckpt-1\.index: not a checkpoint index \(bad magic number"):
+        BundleReader(os.path.join(directory, "ckpt-1"))

@@ -77,9 +77,9 @@ mutation = st.tuples(
 
 def _mutate(blob: bytes, kind: str, where: float, payload: bytes) -> bytes:
     pos = int(where * len(blob))
-    if kind == "flip":
+    if kind == "flip" and blob:
         return blob[:pos] + bytes([blob[pos] ^ (1 << (payload[0] % 8))]) + blob[pos + 1 :]
-    if kind == "truncate":
+    if kind in ("truncate", "flip"):
         return blob[:pos]
     if kind == "overwrite":
         return blob[:pos] + payload + blob[pos + len(payload) :]

@@ -46,6 +46,14 @@ def test_crc32c_matches_google_crc32c_on_every_buffer_kind():
     assert crc32c(b"123456789") == 0xE3069283  # the standard crc32c check value
 
 
+def test_crc32c_without_the_shared_library_copies_into_bytes(monkeypatch):
+    import checkpoint._table as table
+
+    payload = np.arange(1000, dtype=np.float32)
+    monkeypatch.setattr(table, "_extend", None)
+    assert crc32c(payload) == crc32c(memoryview(payload).cast("B")) == google_crc32c.value(payload.tobytes())
+
+
 def test_block_trailers_of_a_tf_index_are_masked_crc32c():
     data = _tf_index()
     _, _, offset, size = _footer_handles(data)
