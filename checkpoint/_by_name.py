@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from checkpoint._reader import read_checkpoint
 from varstate import PartitionedVariable, Variable
 
 _GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -214,11 +215,15 @@ def restore_by_name(
     - a list of pairs instead of a dict restores one tensor into several
       variables. Pairs apply in order of checkpoint name; a later one wins.
 
-    Returns a `NameBasedLoadStatus` (`.params`, `.matched`,
-    `.missing_in_checkpoint`, `.unused_in_checkpoint`, `assert_consumed()`).
-    Nothing is restored if any pair fails: ValueError for a shape mismatch
-    (naming both names and shapes) or a name missing from the checkpoint,
-    TypeError for a dtype mismatch.
+    `prefix` is anything `read_checkpoint` opens: a prefix, a directory (its
+    ``checkpoint`` file's latest) or an orbax checkpoint. Returns a
+    `NameBasedLoadStatus` (`.params`, `.matched`, `.missing_in_checkpoint`,
+    `.unused_in_checkpoint`, `assert_consumed()`). Nothing is restored if any
+    pair fails: ValueError for a shape mismatch (naming both names and shapes)
+    or a name missing from the checkpoint, TypeError for a dtype mismatch (TF
+    refuses those too). One exception to exact dtypes: with JAX's 64-bit types
+    off, an int64/float64 value (TF's int64 ``global_step``) restores into the
+    32-bit variable JAX made for it, if it fits.
 
     >>> import numpy as np, jax.numpy as jnp, varstate, checkpoint, tempfile, os
     >>> prefix = os.path.join(tempfile.mkdtemp(), "model.ckpt")
@@ -229,8 +234,6 @@ def restore_by_name(
     >>> status.params["kernel"].value.tolist(), status.matched
     ([[5.0, 5.0], [5.0, 5.0]], {'encoder/dense/kernel': 'bert/dense/kernel'})
     """
-    from checkpoint._reader import read_checkpoint
-
     where = os.fspath(prefix)
     reader = read_checkpoint(prefix)
     ckpt_keys = set(reader.keys())
