@@ -241,3 +241,16 @@ def test_tf1_adam_checkpoint_with_partitions_on_both_axes_into_params_and_optimi
     assert float(status.params.non_slot("beta2_power").value) == float(tf_value("beta2_power"))
     assert restored.missing_in_checkpoint == ()
     assert set(restored.unused_in_checkpoint) == {"global_step", "beta1_power", "beta2_power", *slot_map}
+
+
+def test_object_based_checkpoint_keys_through_an_assignment_map():
+    """As init_from_checkpoint, explicit keys of a TF2 checkpoint work too (here TF's tf_object fixture)."""
+    data = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints")
+    with open(os.path.join(data, "expected.json")) as f:
+        rec = json.load(f)["tf_object"]["tensors"]["model/tied/.ATTRIBUTES/VARIABLE_VALUE"]
+    w = varstate.Variable(jnp.zeros(rec["shape"]), name="w", registry=varstate.Registry())
+    status = checkpoint.restore_by_name(os.path.join(data, "tf_object"), [w],
+                                        {"model/tied/.ATTRIBUTES/VARIABLE_VALUE": "w"})
+    assert np.asarray(status.params[0].value).tobytes().hex() == rec["hex"]
+    assert "_CHECKPOINTABLE_OBJECT_GRAPH" not in status.unused_in_checkpoint
+    assert "save_counter/.ATTRIBUTES/VARIABLE_VALUE" in status.unused_in_checkpoint
