@@ -1,0 +1,65 @@
+"""examples/train.py: stopped (--stop-after, SIGTERM) and resumed runs end bit-identical to an uninterrupted one."""
+
+import importlib.util
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+spec = importlib.util.spec_from_file_location("train_example", os.path.join(EXAMPLES, "train.py"))
+train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(train)
+
+STEPS = ["--steps", "60", "--save-every", "20", "--log-every", "20"]
+
+
+def params(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def assert_bit_identical(a, b):
+    assert sorted(a) == sorted(b) == [f"dense{i}/{k}" for i in range(3) for k in ("bias", "kernel")]
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), k
+
+
+def test_stop_after_and_resume_is_bit_identical(tmp_path, capsys):
+    assert train.main(["--dir", str(tmp_path / "a"), *STEPS, "--out", str(tmp_path / "a.npz")]) == 0
+    assert train.main(["--dir", str(tmp_path / "b"), *STEPS, "--stop-after", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped after 25 steps at step 25: checkpoint saved" in out
+    assert sorted(os.listdir(tmp_path / "b")) == ["checkpoint", "ckpt-20", "ckpt-25"]
+    assert train.main(["--dir", str(tmp_path / "b"), *STEPS, "--out", str(tmp_path / "b.npz")]) == 0
+    assert "at step 25" in capsys.readouterr().out
+    assert_bit_identical(params(tmp_path / "a.npz"), params(tmp_path / "b.npz"))
+    full = params(tmp_path / "a.npz")
+    first = train.make_model(0)
+    assert not np.array_equal(full["dense0/kernel"], np.asarray(first["dense0"]["kernel"].value))  # it trained
+
+
+def test_sigterm_saves_and_exits_then_resumes_bit_identical(tmp_path, capsys):
+    directory = tmp_path / "run"
+
+    def send_sigterm_after_first_checkpoint():
+        deadline = time.time() + 60
+        while not (directory / "ckpt-20").exists() and time.time() < deadline:
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    killer = threading.Thread(target=send_sigterm_after_first_checkpoint)
+    killer.start()
+    assert train.main(["--dir", str(directory), *STEPS]) == 0
+    killer.join()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    out = capsys.readouterr().out
+    assert "SIGTERM at step" in out and "checkpoint saved, exiting" in out
+    stopped_at = int(out.split("SIGTERM at step ")[1].split(":")[0])
+    assert 20 <= stopped_at < 60 and (directory / f"ckpt-{stopped_at}").exists()
+    assert train.main(["--dir", str(directory), *STEPS, "--out", str(tmp_path / "resumed.npz")]) == 0
+    assert train.main(["--dir", str(tmp_path / "ref"), *STEPS, "--out", str(tmp_path / "ref.npz")]) == 0
+    assert_bit_identical(params(tmp_path / "ref.npz"), params(tmp_path / "resumed.npz"))
