@@ -146,3 +146,26 @@ def test_read_by_a_custom_gradient_function():
     g, dx = jax.grad(loss, argnums=(0, 1))({"w": w}, jnp.array([1.0]))
     assert isinstance(g["w"], varstate.AutoCastVariable)
     assert g["w"].__varstate_variable__().value.tolist() == [10.0] and dx.tolist() == [3.0]
+
+
+def test_checkpoint_sees_the_wrapped_variable_and_formats_interchange(tmp_path):
+    import checkpoint
+
+    reg = varstate.Registry()
+    plain = {"dense": {"kernel": varstate.Variable(jnp.array([[1.0, 2.0]]), name="kernel", registry=reg)}}
+    wrapped = varstate.mixed_precision.autocast_variables(plain)
+    for fmt in ("orbax", "tf"):
+        p_path = checkpoint.Checkpoint(model=plain).write(str(tmp_path / f"plain_{fmt}"), format=fmt)
+        w_path = checkpoint.Checkpoint(model=wrapped).write(str(tmp_path / f"wrapped_{fmt}"), format=fmt)
+        p_reader, w_reader = checkpoint.read_checkpoint(p_path), checkpoint.read_checkpoint(w_path)
+        assert sorted(w_reader.keys()) == sorted(p_reader.keys())
+        key = "model/dense/kernel/.ATTRIBUTES/VARIABLE_VALUE"
+        np.testing.assert_array_equal(w_reader.get(key), p_reader.get(key))
+        # a plain checkpoint restores into a wrapped template (and keeps the wrapper), and back
+        template = varstate.mixed_precision.autocast_variables(
+            {"dense": {"kernel": varstate.Variable(jnp.zeros((1, 2)), name="kernel_t")}})
+        restored = checkpoint.Checkpoint(model=template).restore(p_path).model["dense"]["kernel"]
+        assert isinstance(restored, varstate.AutoCastVariable)
+        assert restored.__varstate_variable__().value.tolist() == [[1.0, 2.0]]
+        back = checkpoint.Checkpoint(model={"dense": {"kernel": varstate.Variable(jnp.zeros((1, 2)))}}).restore(w_path)
+        assert back.model["dense"]["kernel"].value.tolist() == [[1.0, 2.0]]

@@ -120,3 +120,24 @@ def test_constructor_errors_as_keras():
         LossScaleOptimizer(GradientDescent(0.1), dynamic=False, initial_scale=2.0, growth_interval=10)
     with pytest.raises(ValueError, match=r"growth_interval must be a positive integer, got 0"):
         LossScaleOptimizer(GradientDescent(0.1), growth_interval=0)
+
+
+def test_state_checkpoints_with_keras_names(tmp_path):
+    import checkpoint
+
+    reg = varstate.Registry()
+    w = varstate.Variable(jnp.ones(2), name="w", registry=reg)
+    opt = LossScaleOptimizer(Adam(0.1), initial_scale=64.0)
+    params, state = opt.apply_gradients([jnp.array([jnp.inf, 1.0])], [w], opt.init([w]))
+    params, state = opt.apply_gradients([jnp.ones(2)], params, state)
+    path = checkpoint.Checkpoint(model=params, optimizer=state).write(str(tmp_path / "ckpt"), format="tf")
+    keys = set(checkpoint.read_checkpoint(path).keys())
+    assert {"optimizer/current_loss_scale/.ATTRIBUTES/VARIABLE_VALUE",
+            "optimizer/good_steps/.ATTRIBUTES/VARIABLE_VALUE",
+            "model/0/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE"} <= keys
+    fresh_w = varstate.Variable(jnp.zeros(2), name="w_fresh")
+    status = checkpoint.Checkpoint(model=[fresh_w], optimizer=opt.init([fresh_w])).restore(path)
+    restored = status.optimizer
+    assert restored.non_slot("current_loss_scale").value.item() == 32.0
+    assert restored.non_slot("good_steps").value.item() == 1
+    np.testing.assert_array_equal(restored.get_slot(status.model[0], "m").value, state.get_slot(w, "m").value)
