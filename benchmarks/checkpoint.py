@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import orbax.checkpoint as ocp
+# This file is named like the `checkpoint` package: keep its folder off the import path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-import checkpoint
-import varstate
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+import checkpoint  # noqa: E402
+import varstate  # noqa: E402
 
 REPEATS = 3
 TF_FIGURES = {"large": (0.65, 0.24), "small": (0.78, 0.87)}  # tf.train.Checkpoint save, restore (issue)

@@ -141,10 +141,6 @@ class Graph:
     paths: list[str]  # node id -> path ("" for the root)
 
 
-def _pretty(path: str) -> str:
-    return path
-
-
 def build(roots: dict[str, Any]) -> Graph:
     """Walks `roots` breadth-first (TF's order) into a TrackableObjectGraph."""
     proto = TrackableObjectGraph()
@@ -236,8 +232,9 @@ def node_names(proto: TrackableObjectGraph) -> list[str]:
             if 0 <= ref.node_id < len(names) and names[ref.node_id] is None:
                 names[ref.node_id] = f"{names[i]}.{ref.local_name}"
                 queue.append(ref.node_id)
-        for ref in proto.nodes[i].slot_variables:
+    for i, node in enumerate(proto.nodes):  # after the walk: a primary may sit deeper than its optimizer
+        for ref in node.slot_variables:
             j, p = ref.slot_variable_node_id, ref.original_variable_node_id
             if 0 <= j < len(names) and names[j] is None and 0 <= p < len(names):
-                names[j] = f"{names[p] or '?'}'s state {ref.slot_name!r} for {names[i]}"
+                names[j] = f"{names[p] or f'(node {p})'}'s state {ref.slot_name!r} for {names[i]}"
     return [n if n is not None else f"(node {i})" for i, n in enumerate(names)]

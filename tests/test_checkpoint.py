@@ -436,3 +436,41 @@ def test_unknown_format_and_reserved_root_name(tmp_path):
         checkpoint.Checkpoint(save_counter=1)
     with pytest.raises(AttributeError, match=r"Checkpoint has no root 'nope'; its roots are \['w'\]"):
         _ = checkpoint.Checkpoint(w=1).nope
+
+
+def test_tensorflows_checkpoint_restores_exactly_as_our_own(tmp_path):
+    with open(os.path.join(DATA, "graph.json")) as f:
+        tf = json.load(f)
+    model = tf_like_model()
+    zeros = jax.tree.map(lambda v: v.assign(jnp.zeros_like(v.value)), model,
+                         is_leaf=lambda x: isinstance(x, varstate.Variable))
+    status = checkpoint.Checkpoint(model=zeros).restore(os.path.join(DATA, "ckpt-1"))
+    status.assert_existing_objects_matched()
+    params = [status.model["kernel"], status.model["bias"], status.model["layers"][0]]
+    state = status.restore(optimizer=Adam(0.1).init(params)).optimizer
+    status.assert_consumed()
+    got = {
+        "model/kernel" + KEY: params[0].value,
+        "model/bias/.OPTIMIZER_SLOT/optimizer/m" + KEY: state.get_slot(params[1], "m").value,
+        "model/layers/0/.OPTIMIZER_SLOT/optimizer/v" + KEY: state.get_slot(params[2], "v").value,
+        "optimizer/beta2_power" + KEY: state.non_slot("beta2_power").value,
+    }
+    for key, value in got.items():
+        np.testing.assert_array_equal(np.ravel(value), np.asarray(tf["values"][key]["values"], np.float32), key)
+    assert status.model["nested"]["deep"].value.tolist() == params[0].value.tolist()
+    # and our TF-format save reads back through the same path
+    prefix = checkpoint.Checkpoint(model=status.model, optimizer=state).save(str(tmp_path / "ckpt"), format="tf")
+    assert os.path.isfile(prefix + ".index") and checkpoint.latest_checkpoint(str(tmp_path)) == prefix
+    again = checkpoint.Checkpoint(model=zeros, optimizer=Adam(0.1).init(zeros)).restore(prefix)
+    again.assert_consumed()
+    np.testing.assert_array_equal(again.optimizer.non_slot("beta1_power").value, state.non_slot("beta1_power").value)
+    assert canonical(checkpoint.read_checkpoint(prefix).object_graph) == tf["nodes"]
+
+
+def test_node_names_follow_tf_pretty_printing_even_for_deep_primaries():
+    v = varstate.Variable(jnp.ones(2))
+    state = Momentum(0.1, momentum=0.9).init([v])
+    graph = _graph.build({"a_opt": state, "z": {"deep": {"w": v}}})
+    names = _graph.node_names(graph.proto)
+    assert "(root).z.deep.w" in names
+    assert "(root).z.deep.w's state 'momentum' for (root).a_opt" in names
