@@ -239,50 +239,60 @@ def _split(out: Any, fname: str) -> tuple[Any, Callable]:
     return out[0], out[1]
 
 
+def _check_signature(grad_fn: Callable, fname: str, var_names: list[str]) -> None:
+    accepts, named = _accepts_variables(grad_fn)
+    if var_names and not accepts:
+        raise TypeError(
+            f"custom_gradient: grad_fn of {fname} must accept a keyword argument 'variables', because "
+            f"{fname} reads trainable Variables that are not among its arguments: {var_names}. Define "
+            "grad_fn(*dys, variables=None) and return (input_grads, variable_grads)."
+        )
+    if named and not var_names:
+        warnings.warn(
+            f"custom_gradient: grad_fn of {fname} has a 'variables' parameter, but {fname} read no "
+            "trainable Variable outside its arguments; grad_fn will be called without 'variables'.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _call(f: Callable, fname: str, args: tuple) -> Any:
-    # 1. Discover the variables f reads from outside (abstractly: no FLOPs).
-    probe: dict[str, Any] = {}
+    # 1. Discover, abstractly (no FLOPs), the variables f reads from outside, and those its grad_fn reads.
+    arg_leaves = jax.tree.leaves(args)
+    arg_ids = {id(x) for x in arg_leaves}
+    found: dict[str, Any] = {}
 
     def record(*a):
         trace = _core.unsafe_get_current_trace()
         reads: dict[int, tuple[Any, Any]] = {}
 
         def read(v, val):
-            if id(val) not in reads and _is_outside(val, trace):
+            if id(val) not in reads and id(val) not in arg_ids and _is_outside(val, trace):
                 reads[id(val)] = (v._handle, val)
             return val
 
         with _Context(read):
             y, grad_fn = _split(f(*a), fname)
-        probe["reads"], probe["grad_fn"] = reads, grad_fn
+        forward = sorted(reads.values(), key=lambda r: r[0].name)
+        # TF hands grad_fn the trainable float variables read in the forward pass; the rest get no gradient.
+        variables = [r for r in forward if r[0].trainable and jnp.issubdtype(r[1].dtype, jnp.inexact)]
+        _check_signature(grad_fn, fname, [h.name for h, _ in variables])
+        dys = jax.tree.map(jnp.zeros_like, y)
+        dys = tuple(dys) if isinstance(y, (tuple, list)) else (dys,)
+        kw = {"variables": [_from_parts(val, h) for h, val in variables]} if variables else {}
+        with _Context(read):  # grad_fn may read variables f did not: they must be lifted too
+            try:
+                grad_fn(*dys, **kw)
+            except Exception:  # a probe only: a faulty grad_fn is reported when it is differentiated
+                pass
+        chosen, seen = {id(val) for _, val in variables}, {id(val) for _, val in forward}
+        rest = [r for r in forward if id(r[1]) not in chosen] + [r for r in reads.values() if id(r[1]) not in seen]
+        found["lifted"], found["n_vars"] = variables + rest, len(variables)
         return y
 
     jax.eval_shape(record, *args)
-    arg_leaves = jax.tree.leaves(args)
-    arg_ids = {id(x) for x in arg_leaves}
-    reads = [r for k, r in probe["reads"].items() if k not in arg_ids]
-    reads.sort(key=lambda r: r[0].name)
-    is_diff = [h.trainable and jnp.issubdtype(val.dtype, jnp.inexact) for h, val in reads]
-    # TF hands grad_fn the trainable variables only; the others are lifted with zero cotangent.
-    reads = [r for r, d in zip(reads, is_diff, strict=True) if d] + [
-        r for r, d in zip(reads, is_diff, strict=True) if not d]
-    n_vars = sum(is_diff)
+    reads, n_vars = found["lifted"], found["n_vars"]
     var_names = [h.name for h, _ in reads[:n_vars]]
-
-    accepts, named = _accepts_variables(probe["grad_fn"])
-    if n_vars and not accepts:
-        raise TypeError(
-            f"custom_gradient: grad_fn of {fname} must accept a keyword argument 'variables', because "
-            f"{fname} reads trainable Variables that are not among its arguments: {var_names}. Define "
-            "grad_fn(*dys, variables=None) and return (input_grads, variable_grads)."
-        )
-    if named and not n_vars:
-        warnings.warn(
-            f"custom_gradient: grad_fn of {fname} has a 'variables' parameter, but {fname} read no "
-            "trainable Variable outside its arguments; grad_fn will be called without 'variables'.",
-            UserWarning,
-            stacklevel=3,
-        )
     originals = [val for _, val in reads]
 
     # 2. The custom_vjp over (args, lifted values).
