@@ -12,7 +12,7 @@ from google.protobuf import text_format
 
 from checkpoint import CheckpointFormatError
 from checkpoint._bundle import GRAPH_KEY, BundleReader, slice_key, write_bundle
-from checkpoint._table import crc32c, mask, read_table, write_table
+from checkpoint._table import _block, _entries, crc32c, mask, read_table, write_table
 from checkpoint.protos import tensor_bundle_pb2
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints")
@@ -399,3 +399,28 @@ def test_truncated_tf_files_name_the_file_and_key(tmp_path):
     os.truncate(index, os.path.getsize(index) - 1)
     with pytest.raises(CheckpointFormatError, match=r"ckpt-1\.index: not a checkpoint index \(bad magic number"):
         BundleReader(os.path.join(directory, "ckpt-1"))
+
+
+def test_a_two_block_index_that_tensorflow_read_is_still_what_we_write(tmp_path):
+    # ours_many: 5,000 keys, index cut into two data blocks; TF read every key (expected.json).
+    assert EXPECTED["ours_many"] == {"keys_read_by_tf": 5000, "every_value_matched_its_key": True}
+    prefix = os.path.join(DATA, "ours_many", "many")
+    with open(prefix + ".index", "rb") as f:
+        index = f.read()
+    footer = index[-48:]
+    handles, pos = [], 0
+    while len(handles) < 4:
+        value = shift = 0
+        while footer[pos] & 0x80:
+            value |= (footer[pos] & 0x7F) << shift
+            pos, shift = pos + 1, shift + 7
+        handles.append(value | footer[pos] << shift)
+        pos += 1
+    index_block = _entries(index, *_block(index, handles[2:], len(index) - 48, "index"), "index")
+    assert len(index_block) == 2  # two data blocks
+    reader = BundleReader(prefix)
+    tensors = {k: reader.get(k) for k in reader.keys()}
+    assert len(tensors) == 5000 and all(int(k.rsplit("/v", 1)[1]) == v for k, v in tensors.items())
+    write_bundle(tmp_path / "many", tensors)
+    with open(str(tmp_path / "many") + ".index", "rb") as f:
+        assert f.read() == index

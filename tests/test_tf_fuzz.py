@@ -19,7 +19,7 @@ from checkpoint.protos import tensor_bundle_pb2
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints")
 FUZZ = settings(
-    max_examples=int(os.environ.get("TF_FUZZ_EXAMPLES", "60")),
+    max_examples=int(os.environ.get("TF_FUZZ_EXAMPLES", "200")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -10,7 +10,7 @@ Writes under tests/data/tf_checkpoints/:
   tf_name/     tf.compat.v1.train.Saver in a graph: partitioned variables (axis 0 and axis 1), Adam
                slots (partitioned too), global_step.
   tf_sharded/  a checkpoint split over 3 data shards (MaxShardSizePolicy).
-  ours_*_tf_resaved/  TF's re-save of each checkpoint of step 1, after restoring it.
+  ours_*_tf_resaved/  TF's re-save of ours_bundle and ours_checkpoint (step 1), after restoring them.
   expected.json: what TF reads from every checkpoint: per key dtype, shape and raw little-endian bytes
                (hex; strings as a list of hex), the object graph in text format, the saved slices of
                partitioned variables, and the values TF restored from ours into its own variables (under
@@ -208,6 +208,16 @@ def restore_ours_checkpoint(expected: dict) -> None:
     expected["ours_checkpoint_tf_resaved"] = record(path)
 
 
+def read_ours_many(expected: dict) -> None:
+    """5,000 keys over two index blocks, written by write_bundle: TF finds every one."""
+    reader = tf.train.load_checkpoint(os.path.join(OUT, "ours_many", "many"))
+    shapes = reader.get_variable_to_shape_map()
+    assert len(shapes) == 5000
+    for key in shapes:
+        assert reader.get_tensor(key) == int(key.rsplit("/v", 1)[1]), key
+    expected["ours_many"] = {"keys_read_by_tf": len(shapes), "every_value_matched_its_key": True}
+
+
 def main() -> None:
     expected = {"tensorflow_version": tf.__version__}
     tf_object(expected)
@@ -215,6 +225,7 @@ def main() -> None:
     tf_sharded(expected)
     restore_ours_bundle(expected)
     restore_ours_checkpoint(expected)
+    read_ours_many(expected)
     with open(os.path.join(OUT, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(OUT) for f in fs)

@@ -10,6 +10,8 @@ Writes under tests/data/tf_checkpoints/:
   ours_bundle/      `write_bundle` with a hand-built TrackableObjectGraph: every dtype, a list, a dict
                     key that needs escaping, TF v1 Adam slots and non-slots, save_counter.
   ours_checkpoint/  `checkpoint.Checkpoint(model=..., optimizer=<varstate Adam state>).save(format="tf")`.
+  ours_many/        `write_bundle` of 5,000 scalars under keys that share no prefix: an index of two blocks
+                    (TF cuts a block at 256 KiB), so TF checks our index block's separator keys.
 """
 
 import os
@@ -92,6 +94,12 @@ def ours_bundle_tensors() -> dict:
     return tensors
 
 
+def ours_many_tensors() -> dict:
+    """Key `<40 hex digits>/v<i>` holds int32 i; the hex digits keep the keys from sharing prefixes."""
+    rng = np.random.default_rng(2)
+    return {f"{rng.integers(0, 1 << 62):016x}{rng.integers(0, 1 << 62):024x}/v{i}": np.int32(i) for i in range(5000)}
+
+
 def ours_checkpoint(directory: str) -> str:
     import jax.numpy as jnp
 
@@ -113,13 +121,15 @@ def ours_checkpoint(directory: str) -> str:
 
 
 def main() -> None:
-    for sub in ("ours_bundle", "ours_checkpoint"):
+    for sub in ("ours_bundle", "ours_checkpoint", "ours_many"):
         shutil.rmtree(os.path.join(OUT, sub), ignore_errors=True)
     directory = os.path.join(OUT, "ours_bundle")
     write_bundle(os.path.join(directory, "ckpt-1"), ours_bundle_tensors())
     write_checkpoint_state(directory, os.path.join(directory, "ckpt-1"))
     print("wrote", directory)
     print("wrote", ours_checkpoint(os.path.join(OUT, "ours_checkpoint")))
+    write_bundle(os.path.join(OUT, "ours_many", "many"), ours_many_tensors())
+    print("wrote", os.path.join(OUT, "ours_many"))
 
 
 if __name__ == "__main__":
