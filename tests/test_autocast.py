@@ -62,6 +62,10 @@ def test_assign_casts_back_to_storage_and_keeps_identity():
         assert x.true_dtype == jnp.float32 and x.__varstate_variable__().value.dtype == jnp.float32
         assert x.resource_id == a.resource_id and x.name == a.name
     assert d.__varstate_variable__().value.tolist() == [0.5, 1.25]
+    rows = varstate.IndexedSlices(jnp.array([2.0], jnp.bfloat16), jnp.array([1]), (2,))
+    e = d.scatter_add(rows).scatter_sub(rows).scatter_update(rows)
+    assert isinstance(e, varstate.AutoCastVariable) and e.resource_id == a.resource_id
+    assert e.__varstate_variable__().value.dtype == jnp.float32 and e.value.tolist() == [0.5, 2.0]
     assert a.value.tolist() == [1.0, 2.0]  # immutable versions
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable
 
 _state = threading.local()
@@ -79,7 +80,8 @@ class AutoCastVariable:
     Outside `autocast` it behaves as the wrapped Variable. Inside, `value`,
     `read_value()`, operators and indexing give the compute dtype and `dtype`
     reports it; `true_dtype` is the storage dtype. `assign*` cast back to the
-    storage dtype and return a new wrapper. Other attributes (`name`,
+    storage dtype and return a new wrapper (as do `scatter_add`, `scatter_sub`,
+    `scatter_update`). Other attributes (`name`,
     `resource_id`, `shape`, `trainable`, ...) are the wrapped Variable's.
     ValueError, as TF, for a non-Variable or a non-floating Variable.
 
@@ -155,6 +157,21 @@ class AutoCastVariable:
 
     def assign_sub(self, delta: Any) -> AutoCastVariable:
         return _wrap(self._variable.assign_sub(self._to_storage(delta)))
+
+    def _scatter(self, op: str, sparse_delta: Any) -> AutoCastVariable:
+        if isinstance(sparse_delta, IndexedSlices):
+            values = jnp.asarray(_unwrap(sparse_delta.values)).astype(self._variable.dtype)
+            sparse_delta = IndexedSlices(values, sparse_delta.indices, sparse_delta.dense_shape)
+        return _wrap(getattr(self._variable, op)(sparse_delta))
+
+    def scatter_add(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        return self._scatter("scatter_add", sparse_delta)
+
+    def scatter_sub(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        return self._scatter("scatter_sub", sparse_delta)
+
+    def scatter_update(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        return self._scatter("scatter_update", sparse_delta)
 
     def _with_value(self, value: Any) -> AutoCastVariable:
         return _wrap(self._variable._with_value(value))
