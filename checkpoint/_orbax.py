@@ -17,6 +17,7 @@ import base64
 import json
 import math
 import os
+import re
 from typing import Any
 
 import google_crc32c
@@ -25,8 +26,10 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from google.protobuf.message import DecodeError
 
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
+from varstate._partition import SaveSliceInfo
 
 FORMAT = "varstate-orbax"
 VERSION = 1
@@ -168,6 +171,44 @@ def is_checkpoint(path: str) -> bool:
 # ---------------------------------------------------------------------------
 # restore
 # ---------------------------------------------------------------------------
+_ARRAY_NAME = re.compile(r"a[0-9]+")
+_PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _validate(key: str, e: Any, packed_bytes: int, sliced: bool = False) -> None:
+    """Metadata is data: every name, shape and offset is checked before it is used."""
+    if not isinstance(e, dict):
+        raise TypeError(f"entry {key!r} is not an object")
+    if "python" in e and not sliced:
+        if type(e.get("value")) is not _PYTHON_TYPES.get(e["python"]) and not (
+                e["python"] == "float" and type(e.get("value")) is int):
+            raise ValueError(f"entry {key!r}: value does not match its type {e['python']!r}")
+        return
+    _dtype(e.get("dtype"), key)
+    shape = e.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"entry {key!r}: bad shape {shape!r}")
+    if "slices" in e and not sliced:
+        if not isinstance(e["slices"], list) or not e["slices"]:
+            raise ValueError(f"entry {key!r}: bad slices")
+        for part in e["slices"]:
+            _validate(key, part, packed_bytes, sliced=True)
+            info = SaveSliceInfo.from_spec(key, part.get("spec") if isinstance(part.get("spec"), str) else "")
+            if list(info.full_shape) != shape or list(info.var_shape) != part["shape"] or any(
+                    o < 0 or o + n > d for o, n, d in zip(info.var_offset, info.var_shape, shape, strict=True)):
+                raise ValueError(f"entry {key!r}: slice {part['spec']!r} does not fit shape {shape}")
+        return
+    if type(e.get("crc32c")) is not int:
+        raise ValueError(f"entry {key!r}: no crc32c")
+    if "array" in e:
+        if not isinstance(e["array"], str) or not _ARRAY_NAME.fullmatch(e["array"]):
+            raise ValueError(f"entry {key!r}: bad array name {e['array']!r}")
+    else:
+        offset, nbytes = e.get("offset"), math.prod(shape) * _dtype(e["dtype"], key).itemsize
+        if type(offset) is not int or offset < 0 or offset + nbytes > packed_bytes:
+            raise ValueError(f"entry {key!r}: bytes [{offset}, +{nbytes}) lie outside the packed values")
+
+
 class OrbaxReader:
     """Reads one orbax-format checkpoint (the reader protocol of `read_checkpoint`).
 
@@ -199,9 +240,14 @@ class OrbaxReader:
                 f"Checkpoint {path!r} has format version {version!r}, newer than this reader's "
                 f"{VERSION}: upgrade varstate to read it."
             )
-        self._entries: dict[str, dict] = meta["entries"]
-        self.object_graph = TrackableObjectGraph.FromString(base64.b64decode(meta["object_graph"]))
-        self._packed_bytes = int(meta.get("packed_bytes", 0))
+        try:
+            self._entries: dict[str, dict] = meta["entries"]
+            self.object_graph = TrackableObjectGraph.FromString(base64.b64decode(meta["object_graph"]))
+            self._packed_bytes = int(meta.get("packed_bytes", 0))
+            for key, entry in self._entries.items():
+                _validate(key, entry, self._packed_bytes)
+        except (KeyError, TypeError, ValueError, DecodeError) as e:
+            raise DataLossError(f"Checkpoint {path!r}: {META_FILE} is corrupted ({type(e).__name__}: {e}).") from None
         self._cache: dict[str, np.ndarray] = {}
 
     def keys(self) -> list[str]:
@@ -314,13 +360,9 @@ class OrbaxReader:
         return value
 
     def _assemble(self, key: str, e: dict, loaded: dict) -> np.ndarray:
-        from varstate._partition import SaveSliceInfo
-
         full = np.zeros(tuple(e["shape"]), _dtype(e["dtype"], key))
         for part in e["slices"]:
-            info = SaveSliceInfo.from_spec(key, part["spec"])
-            if tuple(info.full_shape) != full.shape:
-                raise ValueError(f"Checkpoint value {key!r}: slice {part['spec']!r} does not fit shape {full.shape}.")
+            info = SaveSliceInfo.from_spec(key, part["spec"])  # validated to fit in __init__
             index = tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape, strict=True))
             full[index] = np.asarray(self._value(key, part, loaded))
         return full

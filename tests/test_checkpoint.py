@@ -474,3 +474,26 @@ def test_node_names_follow_tf_pretty_printing_even_for_deep_primaries():
     names = _graph.node_names(graph.proto)
     assert "(root).z.deep.w" in names
     assert "(root).z.deep.w's state 'momentum' for (root).a_opt" in names
+
+
+@pytest.mark.parametrize("edit, detail", [
+    (lambda e: e["w" + KEY].update(array="../../escape"), "bad array name '../../escape'"),
+    (lambda e: e["s" + KEY].update(offset=10 ** 9), r"lie outside the packed values"),
+    (lambda e: e["s" + KEY].update(dtype="object"), "unsupported dtype 'object'"),
+    (lambda e: e["s" + KEY].update(shape=[-1]), r"bad shape \[-1\]"),
+    (lambda e: e["p" + KEY]["slices"][1].update(spec="10 7 8,3:0,7"), "does not fit shape"),
+    (lambda e: e["n/.ATTRIBUTES/py_state"].update(value="3"), "does not match its type 'int'"),
+    (lambda e: e.update(bad=[1]), "entry 'bad' is not an object"),
+])
+def test_malformed_metadata_is_refused_before_use(tmp_path, edit, detail):
+    tree = {"w": jnp.zeros(300_000), "s": jnp.ones(3), "n": 3,
+            "p": varstate.PartitionedVariable(jnp.zeros((10, 7)), name="p", num_shards=2)}
+    path = checkpoint.Checkpoint(**tree).write(str(tmp_path / "c"))
+    meta_file = os.path.join(path, _orbax.META_FILE)
+    with open(meta_file) as f:
+        meta = json.load(f)
+    edit(meta["entries"])
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(checkpoint.DataLossError, match=f"meta/metadata is corrupted .*{detail}"):
+        checkpoint.Checkpoint(**tree).restore(path)
