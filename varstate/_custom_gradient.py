@@ -149,9 +149,7 @@ def _cotangent(g: Any, primal: Any, where: str) -> Any:
     primal = jax.typeof(primal)
     if g is None or not jnp.issubdtype(primal.dtype, jnp.inexact):
         return None
-    if isinstance(g, Variable):
-        g = g._value
-    g = jnp.asarray(g)
+    g = jnp.asarray(_plain(g))
     if g.shape != primal.shape:
         raise ValueError(
             f"custom_gradient: grad_fn returned a gradient of shape {g.shape} for {where}, which has "
@@ -360,6 +358,13 @@ def custom_gradient(f: Callable | None = None) -> Any:
     variable_grads)`; those gradients reach an enclosing `jax.grad` over the
     pytree that holds the variables. Works under `jit`, `grad`, `vmap` and
     higher-order differentiation (when `grad_fn` is differentiable).
+
+    Which variables count: those whose value `f` reads from outside (closed
+    over, possibly tracers of an enclosing `jax.grad`); variables passed as
+    arguments get input gradients instead, and variables only `grad_fn`
+    reads get none (as TF). A variable version `f` makes itself (`assign`
+    inside `f`) is internal. `f` runs twice per trace: once abstractly, to
+    find what it reads, then inside the `custom_vjp`.
 
     Errors as TF: ValueError for keyword arguments to `f` or a wrong number of
     gradients; TypeError when `f` reads variables and `grad_fn` has no
