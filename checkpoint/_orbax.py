@@ -128,7 +128,7 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph) -> tuple[
     """{key: array | Python scalar | [(SaveSliceInfo, array), ...]} -> (orbax tree, JSON metadata)."""
     lay = _Layout()
     for key, value in values.items():
-        if isinstance(value, (bool, int, float, str)):
+        if type(value) in (bool, int, float, str):  # exact: np.float64 subclasses float but is an array
             lay.entries[key] = {"python": type(value).__name__, "value": value}
         elif isinstance(value, list):
             info0 = value[0][0]
