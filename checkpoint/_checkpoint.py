@@ -189,7 +189,8 @@ class _OptCell:
     """Placeholder for an optimizer state whose slots are matched after every primary."""
 
     template: Any
-    rebuilt: Any
+    non_slots: dict
+    plain: Any  # the plain-array slots, matched like any container
     node_id: int
     label: str
     slots: Any = None
@@ -280,13 +281,10 @@ class LoadStatus:
 
         def resolve(x):
             if isinstance(x, _OptCell):
-                slots = jax.tree.map(resolve, opt_slots(x), is_leaf=_is_cell)
-                non_slots = jax.tree.map(resolve, x.rebuilt.non_slots, is_leaf=_is_cell)
+                slots = jax.tree.map(resolve, x.slots, is_leaf=_is_cell)
+                non_slots = jax.tree.map(resolve, x.non_slots, is_leaf=_is_cell)
                 return dataclasses.replace(x.template, slots=slots, non_slots=non_slots)
             return _finish(x, loaded[x.key]) if isinstance(x, _Cell) else x
-
-        def opt_slots(x):
-            return x.slots if x.slots is not None else x.template.slots
 
         self._roots = {name: jax.tree.map(resolve, t, is_leaf=_is_cell) for name, t in tree.items()}
         return self
@@ -314,13 +312,16 @@ class LoadStatus:
             return cell
         st.matched[node_id] = label
         ids = {r.local_name: r.node_id for r in node.children}
-        rebuilt = _graph.rebuild(
-            obj, lambda name, c: self._match(c, ids.get(name), f"{label}.{name}", cells, opts, rids))
+
+        def child(name, c):
+            return self._match(c, ids.get(name), f"{label}.{name}", cells, opts, rids)
+
         if k == OPTIMIZER:
-            opt = _OptCell(obj, rebuilt, node_id, label)
+            non_slots = {name: child(name, v) for name, v in obj.non_slots.items()}
+            opt = _OptCell(obj, non_slots, child(_graph.PLAIN_SLOTS, _graph.plain_slots(obj)), node_id, label)
             opts.append(opt)
             return opt
-        return rebuilt
+        return _graph.rebuild(obj, child)
 
     def _unmatched(self, obj, k, label) -> None:
         if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
@@ -360,10 +361,7 @@ class LoadStatus:
         for (primary, _), slot in templates.items():
             if slot.resource_id not in by_rid and (primary in rid_node or primary in template_rids):
                 st.unmatched[f"{opt.label}'s slot {slot.name!r}"] = None
-        opt.slots = jax.tree.map(
-            lambda v: by_rid.get(v.resource_id, v) if isinstance(v, Variable) else v,
-            opt.template.slots, is_leaf=lambda x: isinstance(x, Variable),
-        )
+        opt.slots = _graph.merge_slots(opt.template.slots, lambda v: by_rid.get(v.resource_id, v), opt.plain)
 
     def _load(self, cells: list[_Cell]) -> dict[str, Any]:
         reader = self._state.reader

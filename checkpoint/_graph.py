@@ -24,6 +24,7 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_VALUE = "VARIABLE_VALUE"
 PY_STATE = "py_state"  # TF's attribute name for Python state
 SAVE_COUNTER = "save_counter"
+PLAIN_SLOTS = "slots"  # the optimizer's child holding the slots of plain-array params
 
 CONTAINER, VARIABLE, PARTITIONED, ARRAY, PYTHON, OPTIMIZER, NONE = range(7)
 _ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -82,16 +83,47 @@ def _key_name(k: Any) -> str:
 def children(obj: Any) -> list[tuple[str, Any]]:
     """An object's direct dependencies as (local name, child), in pytree order."""
     if isinstance(obj, OptimizerState):
-        # Slots hang off their primaries (slot_variables); non-slots are children.
-        return list(obj.non_slots.items())
+        # Slot Variables hang off their primaries (slot_variables); non-slots are children.
+        kids = list(obj.non_slots.items())
+        plain = plain_slots(obj)
+        if jax.tree.leaves(plain):
+            kids.append((PLAIN_SLOTS, plain))
+        return kids
     pairs, _ = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
     return [(_key_name(path[0]), child) for path, child in pairs]
 
 
+def _slot_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (Variable, PartitionedVariable))
+
+
+def plain_slots(state: OptimizerState) -> Any:
+    """The slots of plain-array params (no resource to link): `slots` with every slot Variable as None.
+
+    They are saved as the optimizer's child ``slots`` (not in TF, which has no
+    plain-array params); a state with only slot Variables has none.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(state.slots, is_leaf=_slot_leaf)
+    return treedef.unflatten([None if _slot_leaf(x) else x for x in leaves])
+
+
+def merge_slots(template: Any, variable_slots, plain: Any) -> Any:
+    """`template` (an OptimizerState's slots) with slot Variables from `variable_slots(v)`, the rest from `plain`."""
+    leaves, treedef = jax.tree_util.tree_flatten(template, is_leaf=_slot_leaf)
+    plain_leaves = jax.tree_util.tree_flatten(plain, is_leaf=lambda x: x is None)[0]
+    out = []
+    for leaf, p in zip(leaves, plain_leaves, strict=True):
+        if isinstance(leaf, Variable):
+            out.append(variable_slots(leaf))
+        elif isinstance(leaf, PartitionedVariable):
+            out.append(jax.tree.map(variable_slots, leaf, is_leaf=lambda x: isinstance(x, Variable)))
+        else:
+            out.append(leaf if leaf is None else p)
+    return treedef.unflatten(out)
+
+
 def rebuild(obj: Any, fn) -> Any:
     """`obj` with each direct child replaced by `fn(local_name, child)`."""
-    if isinstance(obj, OptimizerState):
-        return dataclasses.replace(obj, non_slots={k: fn(k, v) for k, v in obj.non_slots.items()})
     pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
     return treedef.unflatten([fn(_key_name(path[0]), child) for path, child in pairs])
 

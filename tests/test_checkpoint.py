@@ -497,3 +497,27 @@ def test_malformed_metadata_is_refused_before_use(tmp_path, edit, detail):
         json.dump(meta, f)
     with pytest.raises(checkpoint.DataLossError, match=f"meta/metadata is corrupted .*{detail}"):
         checkpoint.Checkpoint(**tree).restore(path)
+
+
+def test_plain_array_params_checkpoint_with_their_optimizer_slots(tmp_path):
+    params = {"plain": jnp.array([1.0, 2.0]), "var": varstate.Variable(jnp.array([3.0]), name="var")}
+    opt = Adam(0.1)
+    state = opt.init(params)
+    params, state = opt.apply_gradients({"plain": jnp.array([0.5, -1.0]), "var": jnp.array([2.0])}, params, state)
+    path = checkpoint.Checkpoint(model=params, opt=state).write(str(tmp_path / "c"))
+    keys = _orbax.OrbaxReader(path).keys()
+    assert "opt/slots/m/plain" + KEY in keys and "opt/slots/v/plain" + KEY in keys
+    assert "model/var/.OPTIMIZER_SLOT/opt/m" + KEY in keys and not any(k.startswith("opt/slots/m/var") for k in keys)
+    t_params = {"plain": jnp.zeros(2), "var": varstate.Variable(jnp.zeros(1))}
+    status = checkpoint.Checkpoint(model=t_params, opt=opt.init(t_params)).restore(path).assert_consumed()
+    for name in ("m", "v"):
+        np.testing.assert_array_equal(status.opt.slots[name]["plain"], state.slots[name]["plain"])
+        np.testing.assert_array_equal(status.opt.get_slot(status.model["var"], name).value,
+                                      state.get_slot(params["var"], name).value)
+    np.testing.assert_array_equal(status.model["plain"], params["plain"])
+    # and training continues identically from the restored state
+    grads = {"plain": jnp.array([1.0, 1.0]), "var": jnp.array([1.0])}
+    a, _ = opt.apply_gradients(grads, params, state)
+    b, _ = opt.apply_gradients(grads, status.model, status.opt)
+    np.testing.assert_array_equal(a["plain"], b["plain"])
+    np.testing.assert_array_equal(a["var"].value, b["var"].value)
