@@ -167,6 +167,13 @@ class CheckpointManager:
         ckpt = Checkpoint(**roots)
         ckpt.save_counter, ckpt._counter_tracked = step, True
         path = self._path(step)
+        if step in self._steps:
+            # Saved again: unlist it first, so a crash while it is rewritten leaves the previous one as latest.
+            self._steps.remove(step)
+            if self._steps:
+                _record_checkpoint(self.directory, self._path(self._steps[-1]), self.checkpoints)
+            else:
+                os.remove(os.path.join(self.directory, STATE_FILE))
         ckpt.write(path, _checkpointer=self._checkpointer)
         if self._async:
             self._thread = threading.Thread(target=self._finish, args=(step,), name="checkpoint-commit")

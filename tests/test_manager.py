@@ -119,3 +119,26 @@ def test_record_checkpoint_appends_like_tf_checkpoint_save(tmp_path):
     _manager._record_checkpoint(str(tmp_path), str(elsewhere))
     assert state_file(str(tmp_path)).model_checkpoint_path == str(elsewhere)  # outside: absolute
     assert os.path.isdir(first) and os.path.isdir(second)
+
+
+def test_saving_a_step_again_unlists_it_while_it_is_rewritten(tmp_path, monkeypatch):
+    mgr = checkpoint.CheckpointManager(str(tmp_path))
+    mgr.save(1, m=model(1))
+    mgr.save(2, m=model(2))
+    seen = []
+    original = checkpoint.Checkpoint.write
+
+    def spy(self, path, *args, **kwargs):
+        seen.append(checkpoint.latest_checkpoint(os.path.dirname(path)))
+        return original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Checkpoint, "write", spy)
+    mgr.save(2, m=model(22))
+    assert seen == [str(tmp_path / "ckpt-1")]  # while ckpt-2 is rewritten, ckpt-1 is the latest
+    assert mgr.checkpoints == [str(tmp_path / "ckpt-1"), str(tmp_path / "ckpt-2")]
+    assert mgr.restore(m=template()).m["w"].value.tolist() == [22.0] * 3
+    only = checkpoint.CheckpointManager(str(tmp_path / "only"))
+    only.save(5, m=model(5))
+    monkeypatch.setattr(checkpoint.Checkpoint, "write", spy)
+    only.save(5, m=model(6))
+    assert seen[-1] is None and only.restore(m=template()).m["w"].value.tolist() == [6.0] * 3
