@@ -141,3 +141,27 @@ def test_state_checkpoints_with_keras_names(tmp_path):
     assert restored.non_slot("current_loss_scale").value.item() == 32.0
     assert restored.non_slot("good_steps").value.item() == 1
     np.testing.assert_array_equal(restored.get_slot(status.model[0], "m").value, state.get_slot(w, "m").value)
+
+
+def test_float16_step_with_autocast_variables():
+    params = varstate.mixed_precision.autocast_variables({"w": varstate.Variable(jnp.ones(2), name="ls_fp16")})
+    opt = LossScaleOptimizer(GradientDescent(0.1))
+    state = opt.init(params)
+
+    def loss(p):
+        with varstate.autocast(jnp.float16):
+            y = p["w"] * jnp.array([0.5, 0.25], jnp.float16)
+        return (y.astype(jnp.float32) ** 2).sum()
+
+    scaled = jax.grad(lambda p: opt.get_scaled_loss(loss(p), state))(params)
+    grads = opt.get_unscaled_gradients(scaled, state)
+    assert isinstance(grads["w"], varstate.AutoCastVariable)
+    np.testing.assert_array_equal(grads["w"].__varstate_variable__().value, [0.5, 0.125])  # 2 w c^2, exact
+    params, state = opt.apply_gradients(grads, params, state)
+    assert params["w"].__varstate_variable__().value.tolist() == [np.float32(0.95), np.float32(0.9875)]
+    # an overflowing float16 backward pass (scale 2**15 * 4 > 65504) is skipped and halves the scale
+    big = jax.grad(lambda p: opt.get_scaled_loss(4.0 * loss(p), state))(params)
+    assert not np.isfinite(np.asarray(big["w"].__varstate_variable__().value)).all()
+    params2, state2 = opt.apply_gradients(opt.get_unscaled_gradients(big, state), params, state)
+    assert params2["w"].__varstate_variable__().value.tolist() == [np.float32(0.95), np.float32(0.9875)]
+    assert state2.non_slot("current_loss_scale").value.item() == 2.0**14
