@@ -115,7 +115,10 @@ class Checkpoint:
     def write(self, path: str, format: str = "orbax", *, _checkpointer: Any = None) -> str:
         """Writes the roots to `path` and returns it once committed (no numbering).
 
-        `format="tf"` writes a TensorBundle (``path.index`` + data files).
+        `format="tf"` writes a TensorBundle (``path.index`` + data files) that
+        TensorFlow reads. An existing checkpoint at `path` is replaced, and the
+        replacement is not atomic: `CheckpointManager` unlists a checkpoint before
+        rewriting it.
         """
         path = os.path.abspath(os.fspath(path))
         graph = self._graph()
