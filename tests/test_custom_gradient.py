@@ -428,3 +428,18 @@ def test_gradient_structures():
         jax.grad(wrong_structure)({"a": 1.0})
     close(jax.grad(one_tuple)(1.0), 3.0)
     close(jax.grad(tuple_arg)((1.0, 2.0)), (10.0, 20.0))
+
+
+def test_vmap_over_the_variables_themselves():
+    w = varstate.Variable(jnp.array([1.0, 2.0, 3.0]), name="batched_w")
+
+    def loss(params, x):
+        @varstate.custom_gradient
+        def f(x):
+            return x * params["w"].value, lambda dy, variables: (dy * variables[0].value, [dy * x * 10.0])
+        return f(x)
+
+    g, dx = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))({"w": w}, 2.0)
+    assert g["w"].resource_id == w.resource_id
+    close(g["w"].value, [20.0, 20.0, 20.0])
+    close(dx, [1.0, 2.0, 3.0])
