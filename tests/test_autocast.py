@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import checkpoint
 import varstate
-from varstate.optimizers import GradientDescent, Momentum
+from varstate.optimizers import Adam, GradientDescent, Momentum
 
 
 def _acv(value, name="acv"):
@@ -153,8 +154,6 @@ def test_read_by_a_custom_gradient_function():
 
 
 def test_checkpoint_sees_the_wrapped_variable_and_formats_interchange(tmp_path):
-    import checkpoint
-
     reg = varstate.Registry()
     plain = {"dense": {"kernel": varstate.Variable(jnp.array([[1.0, 2.0]]), name="kernel", registry=reg)}}
     wrapped = varstate.mixed_precision.autocast_variables(plain)
@@ -173,3 +172,22 @@ def test_checkpoint_sees_the_wrapped_variable_and_formats_interchange(tmp_path):
         assert restored.__varstate_variable__().value.tolist() == [[1.0, 2.0]]
         back = checkpoint.Checkpoint(model={"dense": {"kernel": varstate.Variable(jnp.zeros((1, 2)))}}).restore(w_path)
         assert back.model["dense"]["kernel"].value.tolist() == [[1.0, 2.0]]
+
+
+def test_optimizer_slots_of_wrapped_params_checkpoint_as_tf(tmp_path):
+    reg = varstate.Registry()
+    params = varstate.mixed_precision.autocast_variables({"k": varstate.Variable(jnp.ones(2), name="k", registry=reg)})
+    opt = Adam(0.1)
+    params, state = opt.apply_gradients(jax.tree.map(lambda _: jnp.ones(2), params), params, opt.init(params))
+    path = checkpoint.Checkpoint(model=params, optimizer=state).write(str(tmp_path / "c"), format="tf")
+    assert sorted(checkpoint.read_checkpoint(path).keys()) == [
+        "model/k/.ATTRIBUTES/VARIABLE_VALUE",
+        "model/k/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE",
+        "model/k/.OPTIMIZER_SLOT/optimizer/v/.ATTRIBUTES/VARIABLE_VALUE",
+        "optimizer/beta1_power/.ATTRIBUTES/VARIABLE_VALUE",
+        "optimizer/beta2_power/.ATTRIBUTES/VARIABLE_VALUE",
+    ]
+    fresh = varstate.mixed_precision.autocast_variables({"k": varstate.Variable(jnp.zeros(2), name="k_fresh")})
+    status = checkpoint.Checkpoint(model=fresh, optimizer=opt.init(fresh)).restore(path).assert_consumed()
+    m = status.optimizer.get_slot(status.model["k"].__varstate_variable__(), "m")
+    np.testing.assert_array_equal(m.value, state.get_slot(params["k"].__varstate_variable__(), "m").value)

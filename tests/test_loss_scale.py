@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import checkpoint
 import varstate
 from varstate.mixed_precision import LossScaleOptimizer
 from varstate.optimizers import Adam, GradientDescent, Momentum
@@ -123,8 +124,6 @@ def test_constructor_errors_as_keras():
 
 
 def test_state_checkpoints_with_keras_names(tmp_path):
-    import checkpoint
-
     reg = varstate.Registry()
     w = varstate.Variable(jnp.ones(2), name="w", registry=reg)
     opt = LossScaleOptimizer(Adam(0.1), initial_scale=64.0)
