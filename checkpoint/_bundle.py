@@ -330,6 +330,8 @@ class BundleReader:
         try:
             for _ in range(count):
                 n, pos = _varint(raw, pos, len(raw))
+                if n > len(raw):  # a length "of terabytes" in a few bytes
+                    raise ValueError
                 lengths.append(n)
         except ValueError:
             raise CheckpointFormatError(f"{where}: bad string length") from None

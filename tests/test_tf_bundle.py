@@ -276,6 +276,10 @@ def test_string_tensor_with_bad_lengths_wrong_total_size_or_value_crc(tmp_path):
     prefix = _bundle(tmp_path, {"w": _entry(dtype=7, shape=(2,))}, data=b"\xff" * 8)  # varints never end
     with pytest.raises(CheckpointFormatError, match=r"bad\.data-00000-of-00001: key 'w': bad string length"):
         BundleReader(prefix).get("w")
+    for huge in (b"\x80" * 9 + b"\x7f", b"\xff\xff\xff\xff\x0f"):  # 2**69-ish (found by fuzzing), 4 GiB
+        prefix = _bundle(tmp_path, {"w": _entry(dtype=7, shape=(), size=len(huge) + 4)}, data=huge + bytes(8))
+        with pytest.raises(CheckpointFormatError, match=r"key 'w': bad string length"):
+            BundleReader(prefix).get("w")
     lengths_crc = mask(crc32c(b"\x02\x00\x00\x00"))
     raw = b"\x02" + lengths_crc.to_bytes(4, "little") + b"ab"
     good_crc = mask(crc32c(b"ab", crc32c(raw[1:5], crc32c(b"\x02\x00\x00\x00"))))
