@@ -50,6 +50,7 @@ _ENUM_OF = {v: k for k, v in _NUMERIC.items()}
 # Bundle format versions (TF's kTensorBundleVersion and kTensorBundleMinConsumer).
 _VERSION = 1
 _MIN_PRODUCER = 0
+_BAD_CRC = "checksum mismatch (the data file is corrupt); copy it again from its source"
 
 
 def data_filename(prefix: str, shard: int, num_shards: int) -> str:
@@ -133,7 +134,9 @@ class BundleReader:
         if header.num_shards < 1:
             raise CheckpointFormatError(f"{self.index_path}: header claims {header.num_shards} data shards")
         self.num_shards = header.num_shards
-        self._swap = header.endianness != tensor_bundle_pb2.BundleHeaderProto.LITTLE
+        if header.endianness not in (header.LITTLE, header.BIG):
+            raise CheckpointFormatError(f"{self.index_path}: header has an unknown endianness {header.endianness}")
+        self._swap = header.endianness == header.BIG
         self._entries: dict[str, tensor_bundle_pb2.BundleEntryProto] = {}
         self._slices: dict[bytes, bytes] = {}
         for key, value in items[1:]:
@@ -316,7 +319,7 @@ class BundleReader:
         flat = out.reshape(-1).view(np.uint8)
         _pread_into(fd, flat, entry.offset, where)
         if mask(crc32c(flat)) != entry.crc32c:
-            raise CheckpointFormatError(f"{where}: checksum mismatch (the data file is corrupt)")
+            raise CheckpointFormatError(f"{where}: {_BAD_CRC}")
         if self._swap and dtype.itemsize > 1:
             unit = dtype.itemsize // (2 if dtype.kind == "c" else 1)
             flat.view(f"u{unit}").byteswap(inplace=True)
@@ -338,13 +341,13 @@ class BundleReader:
         order = ">" if self._swap else "<"
         packed = b"".join(struct.pack(f"{order}I" if n <= 0xFFFFFFFF else f"{order}Q", n) for n in lengths)
         if pos + 4 > len(raw) or struct.unpack_from("<I", raw, pos)[0] != mask(crc32c(packed)):
-            raise CheckpointFormatError(f"{where}: checksum mismatch in the string lengths (the file is corrupt)")
+            raise CheckpointFormatError(f"{where}: {_BAD_CRC.replace('mismatch', 'mismatch in the string lengths')}")
         if pos + 4 + sum(lengths) != len(raw):
             raise CheckpointFormatError(
                 f"{where}: string lengths add up to {sum(lengths)} bytes, but {len(raw) - pos - 4} are stored"
             )
         if mask(crc32c(raw[pos:], crc32c(packed))) != crc:
-            raise CheckpointFormatError(f"{where}: checksum mismatch (the data file is corrupt)")
+            raise CheckpointFormatError(f"{where}: {_BAD_CRC}")
         pos += 4
         out = np.empty(count, object)
         for i, n in enumerate(lengths):

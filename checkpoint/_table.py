@@ -100,7 +100,9 @@ def _block(data: bytes, handle: tuple[int, int], end: int, what: str) -> tuple[i
     ctype = data[offset + size]
     (stored,) = struct.unpack_from("<I", data, offset + size + 1)
     if mask(crc32c(memoryview(data)[offset : offset + size + 1])) != stored:
-        raise CheckpointFormatError(f"{what} at offset {offset}: checksum mismatch (the file is corrupt)")
+        raise CheckpointFormatError(
+            f"{what} at offset {offset}: checksum mismatch (the file is corrupt); copy it again from its source"
+        )
     if ctype == 1:
         raise CheckpointFormatError(
             f"{what} at offset {offset} is snappy-compressed; this reader has no snappy decompressor. "

@@ -260,7 +260,7 @@ def _entry(dtype=1, shape=(2,), offset=0, size=8, crc=None, data=b"\0" * 8, shar
         (_entry(shape=(-1,)), r"bad\.index: key 'w' has an invalid shape \(-1,\)"),
         (_entry(shard=3), r"bad\.index: key 'w' is in shard 3, but the bundle has 1"),
         (_entry(dtype=7, shape=(9,)), r"key 'w': 8 bytes cannot hold 9 strings"),
-        (_entry(dtype=7, shape=(), size=6), r"key 'w': checksum mismatch in the string lengths \(the file is corrupt"),
+        (_entry(dtype=7, shape=(), size=6), r"key 'w': checksum mismatch in the string lengths \(the data file is"),
     ],
 )
 def test_bad_entries_name_file_and_key(tmp_path, entry, message):
@@ -303,6 +303,7 @@ def test_header_checks(tmp_path):
          r"\(version 1\)"),
         (header(num_shards=1, version={"producer": 1, "bad_consumers": [1]}), r"bad consumers \[1\]\)"),
         (header(num_shards=0, version={"producer": 1}), r"bad\.index: header claims 0 data shards"),
+        (header(num_shards=1, endianness=7, version={"producer": 1}), r"bad\.index: header has an unknown endianness"),
     ]:
         prefix = _bundle(tmp_path, {"w": _entry()}, data=bytes(8), header=h, num_files=0)
         with pytest.raises(CheckpointFormatError, match=message):
