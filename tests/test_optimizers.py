@@ -297,6 +297,11 @@ def test_callable_hyperparameter_without_step_is_an_error():
         opt.apply_gradients([jnp.ones(2)], [w], opt.init([w]))
 
 
+def test_adam_betas_must_be_floats_as_they_seed_the_beta_powers():
+    with pytest.raises(TypeError, match=r"Adam: beta1 and beta2 must be floats"):
+        Adam(beta1=lambda step: 0.9).init([Variable(jnp.zeros(2))])
+
+
 def test_optimizers_are_hashable_static_configs():
     assert hash(Adam(0.1)) == hash(Adam(np.float64(0.1))) and Adam(0.1) == Adam(np.float64(0.1))
     assert Adam(jnp.asarray(0.5)) == Adam(0.5)
@@ -351,6 +356,8 @@ def test_indexed_slices_bad_indices_and_shapes():
         step(IndexedSlices(jnp.ones((2, 3)), jnp.array([0, 1])))
     with pytest.raises(ValueError, match=r"dense_shape \(4, 2\) differs from the variable's shape \(3, 2\)"):
         step(IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 1]), (4, 2)))
+    with pytest.raises(TypeError, match=r"indices must be a 1-D integer array, got shape \(2,\) dtype float32"):
+        step(IndexedSlices(jnp.ones((2, 2)), jnp.array([0.0, 1.0])))
     with pytest.raises(IndexError, match=r"index 3 at offset 0"):  # also checked by the pure update
         opt.update({"w": IndexedSlices(jnp.ones((1, 2)), jnp.array([3])), "b": None}, params, state)
 

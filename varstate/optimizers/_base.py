@@ -187,7 +187,11 @@ class Optimizer:
     Variables. ``grads`` has params' structure; a leaf is an array, a Variable,
     an `IndexedSlices` or None (skipped, as are non-trainable Variables).
     Hyperparameters are floats or callables ``f(step)``; a callable needs
-    ``step=`` (e.g. the global step's value).
+    ``step=`` (e.g. the global step's value). Arithmetic runs in the
+    variable's dtype with hyperparameters rounded to float32 first, as TF's
+    kernels do. `IndexedSlices` indices are range-checked while concrete
+    (``apply_gradients``, or ``update`` outside jit); inside a caller's jit
+    out-of-range rows are dropped, as `Variable.scatter_add` does.
 
     Subclass contract (all on array values, inside the traced step):
 
