@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+import checkpoint
 import varstate
 from varstate import IndexedSlices, Variable
 from varstate.optimizers import Adagrad, Adam, GradientDescent, Momentum, Optimizer, RMSProp, from_optax
@@ -88,6 +89,28 @@ def test_variables_are_exactly_those_of_a_tf_checkpoint(case):
             ours.add(f"model/{key}/.OPTIMIZER_SLOT/optimizer/{slot_name}/.ATTRIBUTES/VARIABLE_VALUE")
     ours |= {f"optimizer/{name}/.ATTRIBUTES/VARIABLE_VALUE" for name in state.non_slots}
     assert ours == set(FIXTURES[f"{case}/checkpoint_keys"].tolist())
+
+
+@pytest.mark.parametrize("case", ["adam", "momentum", "rmsprop_centered"])
+def test_a_tf_v1_checkpoint_restores_consumed_and_training_continues_as_in_tf(case):
+    opt = TF_CASES[case]
+    params = {k: Variable(jnp.zeros(FIXTURES[f"init/{k}"].shape), name=k) for k in NAMES}
+    prefix = os.path.join(os.path.dirname(__file__), "data", "tf_optimizer_ckpt", case)
+    status = checkpoint.Checkpoint(model=params, optimizer=opt.init(params)).restore(prefix)
+    status.assert_consumed()  # exactly TF's variables: every slot and non-slot matched, nothing left over
+    params, state = opt.apply_gradients(_fixture_grads(3), status.model, status.optimizer)
+    for k in NAMES:
+        assert_tf_close(params[k].value, FIXTURES[f"{case}/3/{k}"], f"{case} step 3 after restore, {k}")
+    for name, var in state.non_slots.items():
+        assert_tf_close(var.value, FIXTURES[f"{case}/3/{name}"], f"{case} step 3 after restore, {name}")
+
+
+def test_a_tf_format_checkpoint_of_the_state_has_tf_keys(tmp_path):
+    params = _fixture_params()
+    state = TF_CASES["rmsprop_centered"].init(params)
+    path = checkpoint.Checkpoint(model=params, optimizer=state).write(str(tmp_path / "ckpt"), format="tf")
+    keys = {k for k in checkpoint.read_checkpoint(path).keys() if "optimizer" in k.split("/.ATTRIBUTES")[0]}
+    assert keys == set(FIXTURES["rmsprop_centered/checkpoint_keys"].tolist())
 
 
 def test_negative_learning_rate_is_accepted_as_tf_does():

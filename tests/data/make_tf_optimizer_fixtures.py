@@ -13,6 +13,9 @@ Keys (all plain numeric or unicode arrays, no pickled objects):
     <case>/checkpoint_keys              keys of the optimizer's variables in tf.train.Checkpoint(optimizer=, model=)
     negative_lr/<var>                   GradientDescent(-0.1), one dense step (TF accepts a negative rate)
     adagrad_zero_accumulator_error      the ValueError message for initial_accumulator_value=0
+
+It also writes tf_optimizer_ckpt/<case>.{index,data-*}: tf.train.Checkpoint(model=vars, optimizer=opt)
+after step 2 of the adam, momentum and rmsprop_centered cases (restored by the tests, then stepped once more).
 """
 
 import os
@@ -23,6 +26,8 @@ import tensorflow as tf
 v1 = tf.compat.v1.train
 STEPS = 3
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_optimizer_fixtures.npz")
+CKPT_DIR = os.path.join(os.path.dirname(OUT), "tf_optimizer_ckpt")
+CKPT_CASES = ("adam", "momentum", "rmsprop_centered")
 
 CASES = {
     "gd": lambda: v1.GradientDescentOptimizer(0.1),
@@ -39,6 +44,7 @@ CASES = {
 
 
 def main():
+    os.makedirs(CKPT_DIR, exist_ok=True)
     rng = np.random.default_rng(1234)
     out = {}
     init = {
@@ -78,6 +84,10 @@ def main():
                     gx = tf.constant(x)
                 pairs.append((gx, tvars[k]))
             opt.apply_gradients(pairs)
+            if s == 2 and case in CKPT_CASES:
+                tf.train.Checkpoint(optimizer=opt, model=tf.train.Checkpoint(**tvars)).write(
+                    os.path.join(CKPT_DIR, case)
+                )
             for k, var in tvars.items():
                 out[f"{case}/{s}/{k}"] = var.numpy()
                 for slot in opt.get_slot_names():
