@@ -307,7 +307,10 @@ class OrbaxReader:
         return out
 
     def _load(self, want: dict[str, tuple]) -> dict[str, Any]:
-        missing = {n: w for n, w in want.items() if n not in self._cache}
+        # Host copies are cached for later (deferred) restores; arrays placed on devices are
+        # handed out once, since their owner may donate them.
+        missing = {n: w for n, w in want.items() if n not in self._cache or w[1] is not None}
+        got: dict[str, Any] = {}
         if missing:
             item, restore_args = {}, {}
             for name, (part, sharding) in missing.items():
@@ -331,8 +334,8 @@ class OrbaxReader:
                 raise DataLossError(f"Checkpoint {self.path!r}: cannot read stored values ({e}).") from e
             finally:
                 handler.close()
-            self._cache.update(got)
-        return {n: self._cache[n] for n in want}
+            self._cache.update((n, v) for n, v in got.items() if isinstance(v, np.ndarray))
+        return {n: got[n] if n in got else self._cache[n] for n in want}
 
     def _value(self, key: str, e: dict, loaded: dict) -> Any:
         dtype, shape = _dtype(e["dtype"], key), tuple(e["shape"])

@@ -521,3 +521,15 @@ def test_plain_array_params_checkpoint_with_their_optimizer_slots(tmp_path):
     b, _ = opt.apply_gradients(grads, status.model, status.opt)
     np.testing.assert_array_equal(a["plain"], b["plain"])
     np.testing.assert_array_equal(a["var"].value, b["var"].value)
+
+
+def test_restoring_a_root_again_after_donating_the_first_result(tmp_path):
+    path = checkpoint.Checkpoint(m={"big": jnp.arange(300_000.0), "small": jnp.arange(4.0)}).write(str(tmp_path / "c"))
+    template = {"big": varstate.Variable(jnp.zeros(300_000)), "small": varstate.Variable(jnp.zeros(4))}
+    status = checkpoint.Checkpoint(m=template).restore(path)
+    first = status.m
+    jax.jit(lambda t: jax.tree.map(lambda v: v + 1, t), donate_argnums=0)(first)
+    assert first["big"].value.is_deleted()
+    again = status.restore(m=template).m
+    np.testing.assert_array_equal(again["big"].value, np.arange(300_000.0, dtype=np.float32))
+    np.testing.assert_array_equal(again["small"].value, np.arange(4.0, dtype=np.float32))
