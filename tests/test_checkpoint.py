@@ -533,3 +533,16 @@ def test_restoring_a_root_again_after_donating_the_first_result(tmp_path):
     again = status.restore(m=template).m
     np.testing.assert_array_equal(again["big"].value, np.arange(300_000.0, dtype=np.float32))
     np.testing.assert_array_equal(again["small"].value, np.arange(4.0, dtype=np.float32))
+
+
+def test_autocast_variables_checkpoint_as_their_float32_variable(tmp_path):
+    kernel = varstate.Variable(jnp.arange(4.0).reshape(2, 2), name="kernel")
+    path = checkpoint.Checkpoint(model={"k": varstate.AutoCastVariable(kernel)}).write(str(tmp_path / "a"))
+    plain = checkpoint.Checkpoint(model={"k": kernel}).write(str(tmp_path / "p"))
+    assert canonical(_orbax.OrbaxReader(path).object_graph) == canonical(_orbax.OrbaxReader(plain).object_graph)
+    template = varstate.AutoCastVariable(varstate.Variable(jnp.zeros((2, 2)), name="other"))
+    got = checkpoint.Checkpoint(model={"k": template}).restore(plain).assert_consumed().model["k"]
+    assert type(got) is varstate.AutoCastVariable and got.true_dtype == jnp.float32
+    assert got.__varstate_variable__().resource_id == template.__varstate_variable__().resource_id
+    with varstate.autocast(jnp.bfloat16):
+        assert got.value.dtype == jnp.bfloat16 and got.value.astype(jnp.float32).tolist() == [[0, 1], [2, 3]]
