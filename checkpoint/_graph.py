@@ -241,7 +241,22 @@ def build(roots: dict[str, Any]) -> Graph:
                 saveables.append(Saveable(key, obj, full_name))
             ref = proto.nodes[opt_id].slot_variables.add()
             ref.original_variable_node_id, ref.slot_name, ref.slot_variable_node_id = primary, slot_name, existing
+    _mark_values(proto)
     return Graph(proto, saveables, paths)
+
+
+def _mark_values(proto: TrackableObjectGraph) -> None:
+    """Sets TF's `has_checkpoint_values`: the node, a dependency or one of its slots holds a value."""
+    has = [bool(n.attributes) for n in proto.nodes]
+    changed = True
+    while changed:
+        changed = False
+        for i, node in enumerate(proto.nodes):
+            if not has[i] and (any(has[r.node_id] for r in node.children)
+                               or any(has[r.slot_variable_node_id] for r in node.slot_variables)):
+                has[i] = changed = True
+    for node, value in zip(proto.nodes, has, strict=True):
+        node.has_checkpoint_values.value = value
 
 
 def _add_attribute(node, name: str, full_name: str, key: str) -> None:

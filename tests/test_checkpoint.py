@@ -73,6 +73,13 @@ def test_graph_keys_and_values_match_tensorflow(tmp_path):
     path = checkpoint.Checkpoint(model=model, optimizer=state).save(str(tmp_path / "ckpt"))
     reader = _orbax.OrbaxReader(path)
     assert canonical(reader.object_graph) == tf["nodes"]
+    tf_graph = checkpoint.read_checkpoint(os.path.join(DATA, "ckpt-1")).object_graph
+    assert len(tf_graph.nodes) == len(reader.object_graph.nodes)
+    assert all(n.has_checkpoint_values.value for n in tf_graph.nodes)
+    assert all(n.HasField("has_checkpoint_values") and n.has_checkpoint_values.value for n in reader.object_graph.nodes)
+    empty = _graph.build({"model": {"w": jnp.ones(1)}, "opt": Momentum(0.1, momentum=0.9).init({})}).proto
+    # root, model, the empty optimizer (a node, as TF's, without values), model/w
+    assert [n.has_checkpoint_values.value for n in empty.nodes] == [True, True, False, True]
     assert reader.keys() == sorted(tf["values"])
     for key, want in tf["values"].items():
         got = reader.get(key)
