@@ -190,7 +190,8 @@ class BundleReader:
 
     def _shape(self, key: str, entry) -> tuple[int, ...]:
         shape = tuple(d.size for d in entry.shape.dim)
-        if entry.shape.unknown_rank or any(d < 0 for d in shape) or len(shape) > 64:  # numpy's rank limit
+        too_big = math.prod(d or 1 for d in shape) > (1 << 59)  # numpy refuses even with a zero dimension
+        if entry.shape.unknown_rank or any(d < 0 for d in shape) or len(shape) > 64 or too_big:
             raise CheckpointFormatError(f"{self.index_path}: key {key!r} has an invalid shape {shape}")
         return shape
 
@@ -261,6 +262,13 @@ class BundleReader:
             part_shape = tuple(i.stop - i.start for i in index)
             parts.append((index, sentry, part_shape, self._locate(key, sentry, part_shape, dtype)))
         self._check_cover(key, shape, [p[0] for p in parts])
+        stored = sum(p[1].size for p in parts)
+        available = sum(self._files[shard][1] for shard in {p[1].shard_id for p in parts})
+        if stored > available:  # slices sharing bytes would multiply a small file into a huge tensor
+            raise CheckpointFormatError(
+                f"{self.index_path}: the slices of key {key!r} claim {stored} bytes, but their data files hold "
+                f"{available}"
+            )
         out = np.empty(shape, dtype)  # only now: the slices' stored bytes account for every element
         for index, sentry, part_shape, where in parts:
             out[index] = self._read(key, sentry, where, part_shape, dtype)

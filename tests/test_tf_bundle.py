@@ -258,6 +258,8 @@ def _entry(dtype=1, shape=(2,), offset=0, size=8, crc=None, data=b"\0" * 8, shar
          r"\(supported: \["),
         (_entry(dtype=99), r"key 'w' has an unknown dtype \(99\), which this reader does not support"),
         (_entry(shape=(-1,)), r"bad\.index: key 'w' has an invalid shape \(-1,\)"),
+        (_entry(shape=(0, 1 << 62), size=0), r"key 'w' has an invalid shape \(0, 4611686018427387904\)"),  # fuzz
+        (_entry(shape=(1,) * 65), r"key 'w' has an invalid shape \(1, 1,"),
         (_entry(shard=3), r"bad\.index: key 'w' is in shard 3, but the bundle has 1"),
         (_entry(dtype=7, shape=(9,)), r"key 'w': 8 bytes cannot hold 9 strings"),
         (_entry(dtype=7, shape=(), size=6), r"key 'w': checksum mismatch in the string lengths \(the data file is"),
@@ -351,12 +353,12 @@ def test_missing_shard_and_missing_key(tmp_path):
         reader.get(missing[0])
 
 
-def _sliced(tmp_path, extents, full=(4,), slice_entries=None):
+def _sliced(tmp_path, extents, full=(4,), slice_entries=None, data=None):
     """A name-based bundle: full entry `w` with `extents` [(start, length)], each slice 4 bytes a row."""
     full_entry = tensor_bundle_pb2.BundleEntryProto(dtype=1)
     for d in full:
         full_entry.shape.dim.add(size=d)
-    data = np.arange(16, dtype=np.float32).tobytes()
+    data = np.arange(16, dtype=np.float32).tobytes() if data is None else data
     slices = []
     offset = 0
     for start, length in extents:
@@ -382,6 +384,10 @@ def test_sliced_entries_reassemble_and_bad_slices_are_refused(tmp_path):
             BundleReader(_sliced(tmp_path, extents)).get("w")
     with pytest.raises(CheckpointFormatError, match=r"the entry of slice \[\(0, 4\)\] of key 'w' is missing"):
         BundleReader(_sliced(tmp_path, [(0, 4)], slice_entries=[(b"\x00other", b"")])).get("w")
+    shared = [(slice_key(b"w", [(i, 1)]), _entry(shape=(1,), size=4, data=bytes(4)).SerializeToString())
+              for i in range(4)]  # every slice of `w` pointing at the same 4 bytes
+    with pytest.raises(CheckpointFormatError, match=r"the slices of key 'w' claim 16 bytes, but their data files hold"):
+        BundleReader(_sliced(tmp_path, [(0, 1), (1, 1), (2, 1), (3, 1)], slice_entries=shared, data=bytes(4))).get("w")
     # A full tensor "of a terabyte" made of slices: refused before anything is allocated.
     with pytest.raises(CheckpointFormatError, match=r"overlap or do not cover its shape \(1099511627776,\)"):
         BundleReader(_sliced(tmp_path, [(0, 2)], full=(1 << 40,))).get("w")
