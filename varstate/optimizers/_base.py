@@ -183,8 +183,7 @@ class Optimizer:
 
     ``params`` is a pytree whose leaves are Variables or plain arrays. A plain
     array param is updated too; its slots are plain arrays (there is no
-    resource to link a slot Variable to), so checkpoints see only the slots of
-    Variables. ``grads`` has params' structure; a leaf is an array, a Variable,
+    resource to link a slot Variable to). ``grads`` has params' structure; a leaf is an array, a Variable,
     an `IndexedSlices` or None (skipped, as are non-trainable Variables).
     Hyperparameters are floats or callables ``f(step)``; a callable needs
     ``step=`` (e.g. the global step's value). Arithmetic runs in the
