@@ -55,12 +55,12 @@ _extend = _load_extend()
 
 
 def crc32c(data, crc: int = 0) -> int:
-    """crc32c of any C-contiguous buffer (bytes, memoryview, numpy array), extending `crc`."""
+    """crc32c of the bytes of `data` (bytes, a buffer, or a numpy array in C order), extending `crc`."""
     if isinstance(data, bytes):
         return google_crc32c.extend(crc, data)
+    arr = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
     if _extend is None:
-        return google_crc32c.extend(crc, bytes(memoryview(data)))
-    arr = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+        return google_crc32c.extend(crc, arr.tobytes())
     return _extend(crc, arr.ctypes.data, arr.nbytes)
 
 

@@ -43,6 +43,8 @@ def test_crc32c_matches_google_crc32c_on_every_buffer_kind():
     assert crc32c(payload) == want
     assert crc32c(memoryview(payload.tobytes())) == want
     assert crc32c(payload[5000:].tobytes(), crc32c(payload[:5000])) == want
+    strided = np.arange(64, dtype=np.int32).reshape(8, 8)[:, ::2]
+    assert crc32c(strided) == google_crc32c.value(strided.tobytes())
     assert crc32c(b"123456789") == 0xE3069283  # the standard crc32c check value
 
 
