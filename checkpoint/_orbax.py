@@ -1,9 +1,10 @@
 """The orbax storage backend: values through orbax/tensorstore, graph and layout beside them.
 
 A checkpoint is an orbax composite directory:
-  values/  an orbax PyTree: "packed" (uint8; every value under `_PACK_LIMIT`
-           bytes, back to back) and "a0", "a1", ... (each large value as its
-           own array, sharded as it was)
+  values/  an orbax PyTree: "p0", "p1", ... (uint8; the values under
+           `_PACK_LIMIT` bytes, back to back, up to `_PACK_BYTES` a pack, so
+           restoring one value reads one pack) and "a0", "a1", ... (each large
+           value as its own array, sharded as it was)
   meta/    JSON: format version, the serialized TrackableObjectGraph, and per
            checkpoint key its dtype, shape, crc32c and where its bytes are.
 orbax writes into a temporary directory and renames it when everything is
@@ -35,6 +36,7 @@ FORMAT = "varstate-orbax"
 VERSION = 1
 META_FILE = os.path.join("meta", "metadata")
 _PACK_LIMIT = 1 << 20  # values smaller than this are packed
+_PACK_BYTES = 64 << 20  # a pack is closed once it holds this much
 _ALIGN = 64
 _DTYPES = {
     np.dtype(t).name: np.dtype(t)
@@ -97,25 +99,32 @@ class _Layout:
     def finish(self) -> tuple[dict, dict]:
         tree: dict[str, Any] = {}
         hosts = jax.device_get([v for _, v in self.small])
-        offset = 0
-        parts = []
+        offset, parts, sizes = 0, [], []
+
+        def close_pack():
+            tree[f"p{len(sizes)}"] = np.concatenate(parts)
+            sizes.append(offset)
+
         for (entry, _), host in zip(self.small, hosts, strict=True):
             host = np.ascontiguousarray(host)
-            entry["crc32c"] = _crc(host)
-            entry["offset"] = offset
             raw = host.view(np.uint8).reshape(-1)
+            if parts and offset + raw.size > _PACK_BYTES:
+                close_pack()
+                offset, parts = 0, []
+            entry["crc32c"] = _crc(host)
+            entry["pack"], entry["offset"] = len(sizes), offset
             pad = -(offset + raw.size) % _ALIGN
             parts.append(raw)
             if pad:
                 parts.append(np.zeros(pad, np.uint8))
             offset += raw.size + pad
         if parts:
-            tree["packed"] = np.concatenate(parts)
+            close_pack()
         for name, value in self.large.items():
             tree[name] = value
         for entry in self.entries_with_arrays():
             entry["crc32c"] = _crc(np.asarray(jax.device_get(self.large[entry["array"]])))
-        return tree, {"packed_bytes": offset}
+        return tree, {"packs": sizes}
 
     def entries_with_arrays(self):
         for entry in self.entries.values():
@@ -175,7 +184,7 @@ _ARRAY_NAME = re.compile(r"a[0-9]+")
 _PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 
-def _validate(key: str, e: Any, packed_bytes: int, sliced: bool = False) -> None:
+def _validate(key: str, e: Any, packs: list[int], sliced: bool = False) -> None:
     """Metadata is data: every name, shape and offset is checked before it is used."""
     if not isinstance(e, dict):
         raise TypeError(f"entry {key!r} is not an object")
@@ -192,7 +201,7 @@ def _validate(key: str, e: Any, packed_bytes: int, sliced: bool = False) -> None
         if not isinstance(e["slices"], list) or not e["slices"]:
             raise ValueError(f"entry {key!r}: bad slices")
         for part in e["slices"]:
-            _validate(key, part, packed_bytes, sliced=True)
+            _validate(key, part, packs, sliced=True)
             info = SaveSliceInfo.from_spec(key, part.get("spec") if isinstance(part.get("spec"), str) else "")
             if list(info.full_shape) != shape or list(info.var_shape) != part["shape"] or any(
                     o < 0 or o + n > d for o, n, d in zip(info.var_offset, info.var_shape, shape, strict=True)):
@@ -204,9 +213,12 @@ def _validate(key: str, e: Any, packed_bytes: int, sliced: bool = False) -> None
         if not isinstance(e["array"], str) or not _ARRAY_NAME.fullmatch(e["array"]):
             raise ValueError(f"entry {key!r}: bad array name {e['array']!r}")
     else:
-        offset, nbytes = e.get("offset"), math.prod(shape) * _dtype(e["dtype"], key).itemsize
-        if type(offset) is not int or offset < 0 or offset + nbytes > packed_bytes:
-            raise ValueError(f"entry {key!r}: bytes [{offset}, +{nbytes}) lie outside the packed values")
+        pack, offset = e.get("pack"), e.get("offset")
+        nbytes = math.prod(shape) * _dtype(e["dtype"], key).itemsize
+        if type(pack) is not int or not 0 <= pack < len(packs):
+            raise ValueError(f"entry {key!r}: no pack {pack!r}")
+        if type(offset) is not int or offset < 0 or offset + nbytes > packs[pack]:
+            raise ValueError(f"entry {key!r}: bytes [{offset}, +{nbytes}) lie outside pack {pack}")
 
 
 class OrbaxReader:
@@ -243,9 +255,11 @@ class OrbaxReader:
         try:
             self._entries: dict[str, dict] = meta["entries"]
             self.object_graph = TrackableObjectGraph.FromString(base64.b64decode(meta["object_graph"]))
-            self._packed_bytes = int(meta.get("packed_bytes", 0))
+            self._packs = [int(n) for n in meta["packs"]]
+            if any(n < 0 for n in self._packs):
+                raise ValueError(f"negative pack size in {self._packs}")
             for key, entry in self._entries.items():
-                _validate(key, entry, self._packed_bytes)
+                _validate(key, entry, self._packs)
         except (KeyError, TypeError, ValueError, DecodeError) as e:
             raise DataLossError(f"Checkpoint {path!r}: {META_FILE} is corrupted ({type(e).__name__}: {e}).") from None
         self._cache: dict[str, np.ndarray] = {}
@@ -289,7 +303,7 @@ class OrbaxReader:
                     direct = sharding is not None and "slices" not in e
                     want[part["array"]] = (part, sharding if direct else None)
                 elif "offset" in part:
-                    want["packed"] = (None, None)
+                    want[f"p{part['pack']}"] = (part, None)
         loaded = self._load(want)
         out = {}
         for key in requests:
@@ -314,8 +328,8 @@ class OrbaxReader:
         if missing:
             item, restore_args = {}, {}
             for name, (part, sharding) in missing.items():
-                if name == "packed":
-                    item[name] = np.empty(self._packed_bytes, np.uint8)
+                if "offset" in part:
+                    item[name] = np.empty(self._packs[part["pack"]], np.uint8)
                     restore_args[name] = ocp.RestoreArgs(restore_type=np.ndarray)
                 elif sharding is not None:
                     dtype, shape = _dtype(part["dtype"], name), tuple(part["shape"])
@@ -341,7 +355,7 @@ class OrbaxReader:
         dtype, shape = _dtype(e["dtype"], key), tuple(e["shape"])
         if "offset" in e:
             nbytes = math.prod(shape) * dtype.itemsize
-            packed = loaded["packed"]
+            packed = loaded[f"p{e['pack']}"]
             start = int(e["offset"])
             if start < 0 or start + nbytes > packed.size:
                 raise DataLossError(f"Checkpoint {self.path!r}: value {key!r} is truncated.")

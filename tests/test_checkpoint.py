@@ -485,7 +485,8 @@ def test_node_names_follow_tf_pretty_printing_even_for_deep_primaries():
 
 @pytest.mark.parametrize("edit, detail", [
     (lambda e: e["w" + KEY].update(array="../../escape"), "bad array name '../../escape'"),
-    (lambda e: e["s" + KEY].update(offset=10 ** 9), r"lie outside the packed values"),
+    (lambda e: e["s" + KEY].update(offset=10 ** 9), r"lie outside pack 0"),
+    (lambda e: e["s" + KEY].update(pack=7), r"no pack 7"),
     (lambda e: e["s" + KEY].update(dtype="object"), "unsupported dtype 'object'"),
     (lambda e: e["s" + KEY].update(shape=[-1]), r"bad shape \[-1\]"),
     (lambda e: e["p" + KEY]["slices"][1].update(spec="10 7 8,3:0,7"), "does not fit shape"),
@@ -553,3 +554,16 @@ def test_autocast_variables_checkpoint_as_their_float32_variable(tmp_path):
     assert got.__varstate_variable__().resource_id == template.__varstate_variable__().resource_id
     with varstate.autocast(jnp.bfloat16):
         assert got.value.dtype == jnp.bfloat16 and got.value.astype(jnp.float32).tolist() == [[0, 1], [2, 3]]
+
+
+def test_small_values_fill_several_packs_and_one_value_reads_one_pack(tmp_path, monkeypatch):
+    monkeypatch.setattr(_orbax, "_PACK_BYTES", 1000)
+    tree = {f"v{i}": jnp.full(100, float(i)) for i in range(7)}  # 400 bytes each
+    path = checkpoint.Checkpoint(**tree).write(str(tmp_path / "c"))
+    reader = _orbax.OrbaxReader(path)
+    assert reader._packs == [896, 896, 896, 448]  # two values (400 bytes + 48 of alignment) a pack
+    np.testing.assert_array_equal(reader.get("v3" + KEY), np.full(100, 3.0, np.float32))
+    assert sorted(reader._cache) == ["p1"]
+    got = checkpoint.Checkpoint(**{k: jnp.zeros(100) for k in tree}).restore(path).assert_consumed()
+    for i in range(7):
+        np.testing.assert_array_equal(got.roots[f"v{i}"], np.full(100, float(i), np.float32))
