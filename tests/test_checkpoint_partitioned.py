@@ -69,3 +69,11 @@ def test_partitioned_shape_mismatch_names_the_path(tmp_path):
     path = checkpoint.Checkpoint(m={"emb": pv(FULL, 3)}).write(str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"\(root\)\.m\.emb: .*has shape \(10, 7\), the object has shape \(12, 7\)"):
         checkpoint.Checkpoint(m={"emb": pv(np.zeros((12, 7), np.float32), 2)}).restore(path)
+
+
+def test_tf_format_stores_the_assembled_variable_and_restores_into_shards(tmp_path):
+    prefix = checkpoint.Checkpoint(m={"emb": pv(FULL, 3)}).write(str(tmp_path / "tf"), format="tf")
+    reader = checkpoint.read_checkpoint(prefix)
+    np.testing.assert_array_equal(reader.get(KEY), FULL)
+    got = checkpoint.Checkpoint(m={"emb": pv(np.zeros_like(FULL), 2)}).restore(prefix).assert_consumed().m["emb"]
+    np.testing.assert_array_equal(got.as_array(), FULL)
