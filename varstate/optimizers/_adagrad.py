@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from varstate.optimizers._base import Hyper, Optimizer, as_dtype, gather_rows, set_rows
@@ -15,7 +14,7 @@ from varstate.optimizers._base import Hyper, Optimizer, as_dtype, gather_rows, s
 class Adagrad(Optimizer):
     """`tf.compat.v1.train.AdagradOptimizer`; slot ``accumulator`` starting at ``initial_accumulator_value``.
 
-    ``accum += grad**2``; ``var -= grad * lr * rsqrt(accum)``.
+    ``accum += grad**2``; ``var -= grad * lr * (1 / sqrt(accum))``.
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import Adagrad
@@ -44,13 +43,15 @@ class Adagrad(Optimizer):
     def _dense(self, h, grad, var, slots, non_slots):
         lr = as_dtype(h["learning_rate"], var.dtype)
         accum = slots["accumulator"] + grad * grad
-        return var - grad * lr * jax.lax.rsqrt(accum), {"accumulator": accum}
+        # TF's kernel says rsqrt; its vectorized form is a hardware estimate, its scalar form 1/sqrt:
+        # the correctly rounded 1/sqrt is what TF computes wherever the result does not depend on the CPU.
+        return var - grad * lr * (1 / jnp.sqrt(accum)), {"accumulator": accum}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
         lr = as_dtype(h["learning_rate"], var.dtype)
         accum = gather_rows(slots["accumulator"], indices) + values * values
         if var.ndim > 1:
-            rows = gather_rows(var, indices) - lr * values * jax.lax.rsqrt(accum)
+            rows = gather_rows(var, indices) - lr * values * (1 / jnp.sqrt(accum))
         else:  # TF's kernel divides by sqrt for a vector
             rows = gather_rows(var, indices) - lr * values / jnp.sqrt(accum)
         return set_rows(var, indices, rows), {"accumulator": set_rows(slots["accumulator"], indices, accum)}
@@ -115,6 +116,6 @@ class RMSProp(Optimizer):
             new["mg"] = set_rows(slots["mg"], indices, mg)
         else:
             denom = ms + eps
-        mom = gather_rows(slots["momentum"], indices) * momentum + jax.lax.rsqrt(denom) * lr * values
+        mom = gather_rows(slots["momentum"], indices) * momentum + (1 / jnp.sqrt(denom)) * lr * values
         new["momentum"] = set_rows(slots["momentum"], indices, mom)
         return set_rows(var, indices, gather_rows(var, indices) - mom), new

@@ -77,7 +77,7 @@ class Momentum(Optimizer):
         lr, mom = as_dtype(h["learning_rate"], var.dtype), as_dtype(h["momentum"], var.dtype)
         accum = gather_rows(slots["momentum"], indices) * mom + values
         if self.use_nesterov:
-            step = values * lr + accum * mom * lr
+            step = lr * values + lr * mom * accum
         else:
             step = accum * lr
         rows = gather_rows(var, indices) - step
