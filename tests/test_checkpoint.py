@@ -314,7 +314,7 @@ def test_corrupted_or_truncated_values_are_detected(tmp_path, size):
                 f.seek(0)
                 f.truncate()
                 f.write(bytes(data))
-        # tensorstore notices damaged compressed chunks itself
+        # tensorstore notices damaged files (its metadata and b-tree nodes are checked) itself
         with pytest.raises(checkpoint.DataLossError, match=r"cannot read stored values"):
             checkpoint.Checkpoint(w=jnp.zeros(size)).restore(path)
     # Well-formed values that are not the ones saved (files mixed up between checkpoints): the crc32c.
@@ -324,6 +324,31 @@ def test_corrupted_or_truncated_values_are_detected(tmp_path, size):
     shutil.copytree(os.path.join(other, "values"), os.path.join(good, "values"))
     with pytest.raises(checkpoint.DataLossError, match=r"checksum mismatch for 'w/.ATTRIBUTES/VARIABLE_VALUE'"):
         checkpoint.Checkpoint(w=jnp.zeros(size)).restore(good)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "own-array"])
+def test_a_flipped_bit_in_stored_bytes_fails_the_checksum(tmp_path, packed):
+    # Values are stored uncompressed: silent bit rot reads back as a wrong value, which only the
+    # crc32c notices. Flip one bit in the middle of one value's bytes and restore.
+    n = 2_000 if packed else 300_000
+    tree = {f"v{i}": jnp.arange(n, dtype=jnp.float32) + 1000 * i for i in range(40 if packed else 1)}
+    path = checkpoint.Checkpoint(**tree).write(str(tmp_path / "c"))
+    target = np.asarray(tree["v0"]).tobytes()
+    hits = []
+    for name in _data_files(path):
+        with open(name, "rb") as f:
+            at = f.read().find(target)
+        if at >= 0:
+            hits.append((name, at))
+    assert len(hits) == 1, hits
+    name, at = hits[0]
+    with open(name, "r+b") as f:
+        f.seek(at + len(target) // 2)
+        byte = f.read(1)[0]
+        f.seek(at + len(target) // 2)
+        f.write(bytes([byte ^ 0x04]))
+    with pytest.raises(checkpoint.DataLossError, match=r"checksum mismatch for 'v0/.ATTRIBUTES/VARIABLE_VALUE'"):
+        checkpoint.Checkpoint(**{k: jnp.zeros(n) for k in tree}).restore(path)
 
 
 def test_uninitialized_values_cannot_be_saved(tmp_path):
