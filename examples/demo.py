@@ -49,9 +49,10 @@ def main() -> int:
         full, resumed = os.path.join(work, "full.npz"), os.path.join(work, "resumed.npz")
         run("1. uninterrupted run", "--dir", os.path.join(work, "a"), "--log-every", "40", "--out", full)
         b = os.path.join(work, "b")
-        run("2a. second run, stopped after 60 steps", "--dir", b, "--stop-after", "60", "--log-every", "20")
-        run("2b. resumed, then SIGTERM", "--dir", b, "--log-every", "20", sigterm_at="step  120")
-        run("2c. resumed to the end", "--dir", b, "--log-every", "40", "--out", resumed)
+        run("2a. second run (saving asynchronously), stopped after 60 steps",
+            "--dir", b, "--async-save", "--stop-after", "60", "--log-every", "20")
+        run("2b. resumed, then SIGTERM", "--dir", b, "--async-save", "--log-every", "20", sigterm_at="step  120")
+        run("2c. resumed to the end", "--dir", b, "--async-save", "--log-every", "40", "--out", resumed)
 
         a, r = np.load(full), np.load(resumed)
         print("\n== 3. final parameters: uninterrupted vs interrupted twice and resumed")

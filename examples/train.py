@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-save", action="store_true",
+                   help="save in the background (the next steps donate the saved buffers meanwhile)")
     p.add_argument("--out", default=None, help="write the final parameters to this .npz")
     args = p.parse_args(argv)
 
@@ -92,7 +94,7 @@ def _train(args: argparse.Namespace, stop: dict) -> int:
     opt = Adam(1e-2)
     state = opt.init(model)
     global_step = varstate.get_or_create_global_step(registry)
-    manager = checkpoint.CheckpointManager(args.dir, max_to_keep=3)
+    manager = checkpoint.CheckpointManager(args.dir, max_to_keep=3, async_save=args.async_save)
     if manager.latest_checkpoint:
         status = manager.restore(model=model, optimizer=state, global_step=global_step).assert_consumed()
         model, state, global_step = status.model, status.optimizer, status.global_step

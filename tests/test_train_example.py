@@ -29,11 +29,11 @@ def assert_bit_identical(a, b):
 
 def test_stop_after_and_resume_is_bit_identical(tmp_path, capsys):
     assert train.main(["--dir", str(tmp_path / "a"), *STEPS, "--out", str(tmp_path / "a.npz")]) == 0
-    assert train.main(["--dir", str(tmp_path / "b"), *STEPS, "--stop-after", "25"]) == 0
+    assert train.main(["--dir", str(tmp_path / "b"), *STEPS, "--stop-after", "25", "--async-save"]) == 0
     out = capsys.readouterr().out
     assert "stopped after 25 steps at step 25: checkpoint saved" in out
     assert sorted(os.listdir(tmp_path / "b")) == ["checkpoint", "ckpt-20", "ckpt-25"]
-    assert train.main(["--dir", str(tmp_path / "b"), *STEPS, "--out", str(tmp_path / "b.npz")]) == 0
+    assert train.main(["--dir", str(tmp_path / "b"), *STEPS, "--async-save", "--out", str(tmp_path / "b.npz")]) == 0
     assert "at step 25" in capsys.readouterr().out
     assert_bit_identical(params(tmp_path / "a.npz"), params(tmp_path / "b.npz"))
     full = params(tmp_path / "a.npz")
