@@ -49,7 +49,7 @@ def _relative(directory: str, path: str) -> str:
     return os.path.relpath(path, directory) if os.path.dirname(os.path.abspath(path)) == directory else path
 
 
-def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None) -> None:
+def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None, preserved: bool = False) -> None:
     """Makes `path` the latest checkpoint in `directory`'s state file (TF's update_checkpoint_state)."""
     directory = os.path.abspath(directory)
     state = _read_state(directory) or CheckpointState()
@@ -63,7 +63,7 @@ def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None)
         kept = [_relative(directory, p) for p in kept]
     new = CheckpointState(model_checkpoint_path=_relative(directory, path), all_model_checkpoint_paths=kept)
     new.all_model_checkpoint_timestamps.extend(stamps.get(p, now) for p in kept)
-    new.last_preserved_timestamp = state.last_preserved_timestamp
+    new.last_preserved_timestamp = now if preserved else state.last_preserved_timestamp
     _write_state(directory, new)
 
 
@@ -195,10 +195,11 @@ class CheckpointManager:
         if self.max_to_keep is not None:
             while len(steps) > self.max_to_keep:
                 removed.append(steps.pop(0))
-        _record_checkpoint(self.directory, self._path(step), [self._path(s) for s in steps])
+        keep = [s for s in removed if self.keep_every_n_steps and s % self.keep_every_n_steps == 0]
+        _record_checkpoint(self.directory, self._path(step), [self._path(s) for s in steps], preserved=bool(keep))
         self._steps = steps
         for s in removed:
-            if self.keep_every_n_steps and s % self.keep_every_n_steps == 0:
+            if s in keep:
                 continue  # preserved for good: no longer managed, never deleted
             path = self._path(s)
             # The marker file goes first: a crash mid-delete leaves no readable half checkpoint.

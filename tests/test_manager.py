@@ -70,6 +70,9 @@ def test_keep_every_n_steps_preserves_checkpoints_outside_the_kept_list(tmp_path
         mgr.save(step, m=model(step))
     assert mgr.checkpoints == [str(tmp_path / "ckpt-4")]
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ckpt")) == ["ckpt-2", "ckpt-4"]
+    state = state_file(str(tmp_path))
+    assert list(state.all_model_checkpoint_paths) == ["ckpt-4"]
+    assert 0 < state.last_preserved_timestamp <= state.all_model_checkpoint_timestamps[0]  # set when ckpt-2 left
     restored = checkpoint.Checkpoint(m=template()).restore(str(tmp_path / "ckpt-2")).m
     assert restored["w"].value.tolist() == [2.0] * 3
 
