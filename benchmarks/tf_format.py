@@ -4,8 +4,9 @@
 
 Reading: open the checkpoint and read every tensor into a dict, checksums verified, vs
 ``np.fromfile`` of each tensor's bytes at offsets known in advance. Writing: ``write_bundle``
-(data, crc32c, index, renames) vs ``ndarray.tofile`` of each tensor into one file. Files stay
-in the page cache; each figure is the minimum of several runs (the machine is noisy).
+(data, crc32c, index, renames) vs ``ndarray.tofile`` of each tensor into one file; both write
+new files (the previous run's are deleted, untimed). Files stay in the page cache; each figure
+is the minimum of several runs (the machine is noisy).
 Targets (issue 5): both ratios <= 1.3.
 """
 
@@ -24,13 +25,21 @@ REPEATS = 7
 CASES = [("64 tensors / 256 MB", 64, 256 << 20), ("2,000 tensors / 32 MB", 2000, 32 << 20)]
 
 
-def best(fn, repeats=REPEATS):
+def best(fn, before=lambda: None, repeats=REPEATS):
     times = []
     for _ in range(repeats):
+        before()  # untimed
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def remove(*paths):
+    # Writes go to files that do not exist yet: freeing the last run's pages is not part of a write.
+    for p in paths:
+        if os.path.exists(p):
+            os.remove(p)
 
 
 def run_case(d: str, label: str, count: int, total: int) -> list:
@@ -44,12 +53,12 @@ def run_case(d: str, label: str, count: int, total: int) -> list:
             for v in tensors.values():
                 v.tofile(f)
 
-    write_ours = best(lambda: write_bundle(prefix, tensors))
-    write_raw = best(raw_write)
+    data_path = prefix + ".data-00000-of-00001"
+    write_ours = best(lambda: write_bundle(prefix, tensors), lambda: remove(prefix + ".index", data_path))
+    write_raw = best(raw_write, lambda: remove(raw_path))
 
     reader = BundleReader(prefix)  # offsets for the raw anchor, found outside the timing
     layout = [(reader.entry(k).offset, reader.dtype(k), reader.shape(k)) for k in reader.keys()]
-    data_path = prefix + ".data-00000-of-00001"
 
     def read_ours():
         with BundleReader(prefix) as r:

@@ -15,6 +15,7 @@ import secrets
 import struct
 import weakref
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 
 import ml_dtypes
@@ -50,6 +51,7 @@ _ENUM_OF = {v: k for k, v in _NUMERIC.items()}
 # Bundle format versions (TF's kTensorBundleVersion and kTensorBundleMinConsumer).
 _VERSION = 1
 _MIN_PRODUCER = 0
+_OVERLAP_BYTES = 1 << 20
 _BAD_CRC = "checksum mismatch (the data file is corrupt); copy it again from its source"
 
 
@@ -391,8 +393,8 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int, where: str) -> None:
         done += n
 
 
-def _as_value(key: str, value) -> tuple[int, np.ndarray | bytes, tuple[int, ...], int]:
-    """(dtype enum, bytes to write, shape, unmasked crc32c) of one value."""
+def _as_value(key: str, value) -> tuple[int, np.ndarray | bytes, tuple[int, ...], int | None]:
+    """(dtype enum, bytes to write, shape, unmasked crc32c or None: that of the bytes) of one value."""
     if isinstance(value, (bytes, str)):
         value = np.array(value.encode() if isinstance(value, str) else value, dtype=object)
     arr = np.asarray(value)
@@ -406,7 +408,7 @@ def _as_value(key: str, value) -> tuple[int, np.ndarray | bytes, tuple[int, ...]
             f"(supported: {sorted(str(d) for d in _ENUM_OF)}, strings)."
         )
     flat = np.ascontiguousarray(arr, dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
-    return _ENUM_OF[dtype], flat, arr.shape, crc32c(flat)
+    return _ENUM_OF[dtype], flat, arr.shape, None
 
 
 def _encode_strings(key: str, arr: np.ndarray) -> tuple[bytes, int]:
@@ -453,14 +455,18 @@ def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, np.ndarray | b
     temp = f".tempstate{secrets.token_hex(8)}"
     items = [(b"", tensor_bundle_pb2.BundleHeaderProto(num_shards=1, version={"producer": _VERSION}))]
     try:
-        with open(data_path + temp, "wb") as f:
+        with ThreadPoolExecutor(1) as pool, open(data_path + temp, "wb") as f:
             offset = 0
             for name in sorted(names):
                 enum, data, shape, crc = _as_value(names[name], tensors[names[name]])
                 size = len(data) if isinstance(data, bytes) else data.size
+                if crc is None and size < _OVERLAP_BYTES:
+                    crc = crc32c(data)
+                # A large value's checksum runs beside its write (both release the GIL).
+                job = pool.submit(crc32c, data) if crc is None else None
                 f.write(data)
                 entry = tensor_bundle_pb2.BundleEntryProto(
-                    dtype=enum, shard_id=0, offset=offset, size=size, crc32c=mask(crc)
+                    dtype=enum, shard_id=0, offset=offset, size=size, crc32c=mask(crc if job is None else job.result())
                 )
                 entry.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape)
                 items.append((name, entry))
