@@ -173,3 +173,20 @@ def test_tf_slots_restore_deferred_into_an_optimizer_made_after_the_model():
     opt_state = status.restore(optimizer=Adam(0.1).init(trained)).optimizer
     m = opt_state.get_slot(restored["blocks"][1]["w"], "m").value
     np.testing.assert_array_equal(m, _tf("tf_object", "model/blocks/1/w/.OPTIMIZER_SLOT/optimizer/m" + KEY))
+
+
+def test_checkpoint_save_format_tf_still_writes_what_tensorflow_restored(tmp_path):
+    # ours_checkpoint was restored by tf.train.Checkpoint (assert_consumed) from the same code path;
+    # today's Checkpoint.save(format="tf") must write the same graph, keys, dtypes and shapes.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("write_ours", os.path.join(DATA, "..", "write_ours_for_tf.py"))
+    write_ours = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(write_ours)
+    now = read_checkpoint(write_ours.ours_checkpoint(str(tmp_path)))
+    verified = read_checkpoint(os.path.join(DATA, "ours_checkpoint", "ckpt-1"))
+    assert now.object_graph == verified.object_graph
+    assert now.keys() == verified.keys()
+    for key in verified.keys():
+        assert (now.dtype(key), now.shape(key)) == (verified.dtype(key), verified.shape(key)), key
+        np.testing.assert_allclose(now.get(key), verified.get(key), rtol=1e-6, err_msg=key)
