@@ -472,3 +472,15 @@ def test_partitioned_variables_get_partitioned_slots_and_grads_from_jax_grad():
     np.testing.assert_allclose(np.asarray(new["emb"].as_array()), expected, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(new["b"].value), [-0.1, -0.1], rtol=1e-5)
     assert [v.resource_id for v in new["emb"]] == [v.resource_id for v in emb]
+
+
+def test_a_variable_twice_in_params_is_refused():
+    b = Variable(jnp.zeros(2), name="dense/bias")
+    params = {"dense": {"bias": b}, "alias": b}
+    msg = (r"variable 'dense/bias' appears twice in params, at params\['alias'\] and params\['dense'\]\['bias'\]; "
+           r"an optimizer keeps one set of slots per variable")
+    with pytest.raises(ValueError, match=msg):
+        Adam(0.1).init(params)
+    state = Adam(0.1).init({"dense": {"bias": b}})
+    with pytest.raises(ValueError, match=msg):
+        Adam(0.1).update({"dense": {"bias": jnp.ones(2)}, "alias": jnp.ones(2)}, params, state)

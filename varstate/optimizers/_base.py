@@ -75,6 +75,21 @@ def _flatten_grads(grads: Any, params: Any) -> tuple[list, list, Any, list]:
     return [x for _, x in flat], g_leaves, p_def, paths
 
 
+def _check_each_variable_once(leaves: list, paths: list) -> None:
+    """ValueError when one variable sits at two places in params (its slots and update would fork)."""
+    seen: dict[int, int] = {}
+    for i, p in enumerate(leaves):
+        if isinstance(p, Variable):
+            j = seen.setdefault(p.resource_id, i)
+            if j != i:
+                raise ValueError(
+                    f"Optimizer: variable {p.name!r} appears twice in params, at "
+                    f"params{jax.tree_util.keystr(paths[j])} and params{jax.tree_util.keystr(paths[i])}; "
+                    "an optimizer keeps one set of slots per variable and updates it once per step. "
+                    "Pass each variable once (drop the alias from the params you optimize)."
+                )
+
+
 def _check_indices_range(indices: Any, nrows: int, label: str) -> None:
     """IndexError (TF: InvalidArgumentError) for concrete out-of-range indices."""
     if isinstance(indices, _core.Tracer):
@@ -260,7 +275,9 @@ class Optimizer:
         >>> Momentum(0.1, momentum=0.9).init([w]).slots["momentum"][0].name
         'dense/kernel/momentum'
         """
-        leaves, p_def = jax.tree.flatten(params, is_leaf=_is_var)
+        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
+        leaves = [x for _, x in flat]
+        _check_each_variable_once(leaves, [p for p, _ in flat])
         slots = {}
         for slot_name, fill in self._slot_inits().items():
             made = []
@@ -311,6 +328,7 @@ class Optimizer:
         [0.8999999761581421, 0.8999999761581421]
         """
         p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
+        _check_each_variable_once(p_leaves, paths)
         slot_names = list(state.slots)
         slot_leaves = {n: p_def.flatten_up_to(state.slots[n]) for n in slot_names}
         non_slots = {k: v._value for k, v in state.non_slots.items()}
