@@ -474,13 +474,22 @@ def test_partitioned_variables_get_partitioned_slots_and_grads_from_jax_grad():
     assert [v.resource_id for v in new["emb"]] == [v.resource_id for v in emb]
 
 
-def test_a_variable_twice_in_params_is_refused():
-    b = Variable(jnp.zeros(2), name="dense/bias")
-    params = {"dense": {"bias": b}, "alias": b}
-    msg = (r"variable 'dense/bias' appears twice in params, at params\['alias'\] and params\['dense'\]\['bias'\]; "
-           r"an optimizer keeps one set of slots per variable")
-    with pytest.raises(ValueError, match=msg):
-        Adam(0.1).init(params)
-    state = Adam(0.1).init({"dense": {"bias": b}})
-    with pytest.raises(ValueError, match=msg):
-        Adam(0.1).update({"dense": {"bias": jnp.ones(2)}, "alias": jnp.ones(2)}, params, state)
+def test_a_variable_at_two_places_shares_slots_and_gets_the_summed_gradient():
+    # Tied weights: TF's tape adds the contributions of both reads; one slot set, one update.
+    e = Variable(jnp.ones((3, 2)), name="tied")
+    params = {"embed": e, "out": e}
+    opt = Adam(0.1)
+    state = opt.init(params)
+    assert state.slots["m"]["embed"] is state.slots["m"]["out"]
+    dense = jnp.full((3, 2), 0.5)
+    sparse = IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 0]), (3, 2))
+    new, new_state = opt.apply_gradients({"embed": dense, "out": sparse}, params, state)
+    ref_p, ref_s = opt.apply_gradients({"w": dense + sparse.to_dense()}, {"w": Variable(jnp.ones((3, 2)))},
+                                       opt.init({"w": Variable(jnp.ones((3, 2)))}))
+    np.testing.assert_array_equal(new["embed"].value, ref_p["w"].value)
+    np.testing.assert_array_equal(new["out"].value, new["embed"].value)
+    assert new["out"].resource_id == new["embed"].resource_id == e.resource_id
+    np.testing.assert_array_equal(new_state.get_slot(new["embed"], "m").value, ref_s.slots["m"]["w"].value)
+    v_out, v_embed = new_state.slots["v"]["out"], new_state.slots["v"]["embed"]
+    assert v_out.handle is v_embed.handle
+    np.testing.assert_array_equal(v_out.value, v_embed.value)

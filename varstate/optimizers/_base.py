@@ -75,19 +75,21 @@ def _flatten_grads(grads: Any, params: Any) -> tuple[list, list, Any, list]:
     return [x for _, x in flat], g_leaves, p_def, paths
 
 
-def _check_each_variable_once(leaves: list, paths: list) -> None:
-    """ValueError when one variable sits at two places in params (its slots and update would fork)."""
-    seen: dict[int, int] = {}
-    for i, p in enumerate(leaves):
-        if isinstance(p, Variable):
-            j = seen.setdefault(p.resource_id, i)
-            if j != i:
-                raise ValueError(
-                    f"Optimizer: variable {p.name!r} appears twice in params, at "
-                    f"params{jax.tree_util.keystr(paths[j])} and params{jax.tree_util.keystr(paths[i])}; "
-                    "an optimizer keeps one set of slots per variable and updates it once per step. "
-                    "Pass each variable once (drop the alias from the params you optimize)."
-                )
+def _owners(leaves: list) -> list[int]:
+    """For each leaf, the index of the first leaf holding the same variable (itself if none)."""
+    first: dict[int, int] = {}
+    return [first.setdefault(p.resource_id, i) if isinstance(p, Variable) else i for i, p in enumerate(leaves)]
+
+
+def _sum_grads(a: Any, b: Any, shape: tuple) -> Any:
+    """The sum of two gradients of one variable, sparse while both are."""
+    if isinstance(a, IndexedSlices) and isinstance(b, IndexedSlices):
+        return IndexedSlices(jnp.concatenate([a.values, b.values]), jnp.concatenate([a.indices, b.indices]), shape)
+
+    def dense(g):
+        return jnp.zeros(shape, g.values.dtype).at[g.indices].add(g.values) if isinstance(g, IndexedSlices) else g
+
+    return dense(a) + dense(b)
 
 
 def _check_indices_range(indices: Any, nrows: int, label: str) -> None:
@@ -275,17 +277,18 @@ class Optimizer:
         >>> Momentum(0.1, momentum=0.9).init([w]).slots["momentum"][0].name
         'dense/kernel/momentum'
         """
-        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
-        leaves = [x for _, x in flat]
-        _check_each_variable_once(leaves, [p for p, _ in flat])
+        leaves, p_def = jax.tree.flatten(params, is_leaf=_is_var)
+        owners = _owners(leaves)
         slots = {}
         for slot_name, fill in self._slot_inits().items():
             made = []
-            for p in leaves:
+            for i, p in enumerate(leaves):
                 if isinstance(p, Variable) and not p.trainable:
                     made.append(None)
-                    continue
-                made.append(_make_slot(p, slot_name, fill))
+                elif owners[i] != i:  # a shared variable (tied weights): one slot, at every place
+                    made.append(made[owners[i]])
+                else:
+                    made.append(_make_slot(p, slot_name, fill))
             slots[slot_name] = p_def.unflatten(made)
         non_slots = {}
         first = next((p for p in leaves if isinstance(p, Variable)), None)
@@ -328,14 +331,16 @@ class Optimizer:
         [0.8999999761581421, 0.8999999761581421]
         """
         p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
-        _check_each_variable_once(p_leaves, paths)
+        owners = _owners(p_leaves)
         slot_names = list(state.slots)
         slot_leaves = {n: p_def.flatten_up_to(state.slots[n]) for n in slot_names}
         non_slots = {k: v._value for k, v in state.non_slots.items()}
         if isinstance(step, Variable):
             step = step.read_value()
         h = self.hyperparameters(step)
-        work = []
+        # One update per variable: the gradients of a variable found at several places (tied
+        # weights) add up, as TF's tape adds the contributions of every read.
+        work: dict[int, Any] = {}
         for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
             if g is None or (isinstance(p, Variable) and not p.trainable):
                 continue
@@ -343,7 +348,7 @@ class Optimizer:
             g = _convert_grad(g, _value(p), label)
             if isinstance(g, IndexedSlices):
                 _check_indices_range(g.indices, _value(p).shape[0], label)
-            work.append((i, g))
+            work[owners[i]] = g if owners[i] not in work else _sum_grads(work[owners[i]], g, _value(p).shape)
         if not work:
             raise ValueError(
                 "apply_gradients: no gradients provided for any variable (every gradient is None or its "
@@ -351,7 +356,7 @@ class Optimizer:
             )
         new_p = list(p_leaves)
         new_slots = {n: list(slot_leaves[n]) for n in slot_names}
-        for i, g in work:
+        for i, g in work.items():
             p = p_leaves[i]
             var = _value(p)
             slots = {}
@@ -374,6 +379,11 @@ class Optimizer:
             for n in slot_names:
                 s = slot_leaves[n][i]
                 new_slots[n][i] = s._with_value(slots[n]) if isinstance(s, Variable) else slots[n]
+        for j, i in enumerate(owners):
+            if i != j and i in work:
+                new_p[j] = new_p[i]
+                for n in slot_names:
+                    new_slots[n][j] = new_slots[n][i]
         non_slots = self._finish(h, non_slots)
         state = OptimizerState(
             slots={n: p_def.unflatten(new_slots[n]) for n in slot_names},
