@@ -9,40 +9,16 @@ import threading
 import time
 from typing import Any
 
-from google.protobuf import text_format
-
 from checkpoint import _orbax
 from checkpoint._checkpoint import Checkpoint, LoadStatus
+from checkpoint._reader import STATE_FILE, _inside, read_checkpoint_state, write_checkpoint_state
 from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
 
-STATE_FILE = "checkpoint"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 def _exists(path: str) -> bool:
     return _orbax.is_checkpoint(path) or os.path.isfile(path + ".index")
-
-
-def _read_state(directory: str) -> CheckpointState | None:
-    try:
-        with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
-            return text_format.Parse(f.read(), CheckpointState())
-    except FileNotFoundError:
-        return None
-    except (text_format.ParseError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"The checkpoint state file {os.path.join(directory, STATE_FILE)!r} is not a CheckpointState: {e}"
-        ) from None
-
-
-def _write_state(directory: str, state: CheckpointState) -> None:
-    # Written beside and renamed over: readers see the old file or the new one.
-    tmp = os.path.join(directory, f".{STATE_FILE}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text_format.MessageToString(state))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, STATE_FILE))
 
 
 def _relative(directory: str, path: str) -> str:
@@ -52,7 +28,7 @@ def _relative(directory: str, path: str) -> str:
 def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None, preserved: bool = False) -> None:
     """Makes `path` the latest checkpoint in `directory`'s state file (TF's update_checkpoint_state)."""
     directory = os.path.abspath(directory)
-    state = _read_state(directory) or CheckpointState()
+    state = read_checkpoint_state(directory) or CheckpointState()
     now = time.time()
     if kept is None:
         paths = [p for p in state.all_model_checkpoint_paths if p != _relative(directory, path)]
@@ -61,10 +37,10 @@ def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None,
     else:
         stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps, strict=False))
         kept = [_relative(directory, p) for p in kept]
-    new = CheckpointState(model_checkpoint_path=_relative(directory, path), all_model_checkpoint_paths=kept)
-    new.all_model_checkpoint_timestamps.extend(stamps.get(p, now) for p in kept)
-    new.last_preserved_timestamp = now if preserved else state.last_preserved_timestamp
-    _write_state(directory, new)
+    write_checkpoint_state(
+        directory, _relative(directory, path), kept, [stamps.get(p, now) for p in kept],
+        now if preserved else state.last_preserved_timestamp,
+    )
 
 
 def latest_checkpoint(directory: str) -> str | None:
@@ -78,10 +54,10 @@ def latest_checkpoint(directory: str) -> str | None:
     'ckpt-2'
     """
     directory = os.path.abspath(os.fspath(directory))
-    state = _read_state(directory)
+    state = read_checkpoint_state(directory)
     if state is None or not state.model_checkpoint_path:
         return None
-    path = os.path.join(directory, state.model_checkpoint_path)
+    path = _inside(directory, state.model_checkpoint_path, os.path.join(directory, STATE_FILE))
     return path if _exists(path) else None
 
 
@@ -131,7 +107,7 @@ class CheckpointManager:
             if _TMP_MARK in entry or entry.startswith(f".{STATE_FILE}.tmp-"):
                 target = os.path.join(self.directory, entry)
                 shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
-        state = _read_state(self.directory)
+        state = read_checkpoint_state(self.directory)
         listed = state.all_model_checkpoint_paths if state is not None else []
         self._steps = sorted(
             s for s in (self._step_of(p) for p in listed) if s is not None and _exists(self._path(s))

@@ -159,10 +159,14 @@ def write_checkpoint_state(
         last_preserved_timestamp=last_preserved_timestamp or 0.0,
     )
     path = os.path.join(directory, STATE_FILE)
-    temp = f"{path}.tmp{secrets.token_hex(8)}"
+    # Written beside and renamed over, after an fsync: readers see the old file or the
+    # new one, even after a crash. CheckpointManager removes leftovers by this name.
+    temp = os.path.join(directory, f".{STATE_FILE}.tmp-{secrets.token_hex(8)}")
     try:
         with open(temp, "w", encoding="utf-8") as f:
             f.write(text_format.MessageToString(state))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temp, path)
     finally:
         if os.path.exists(temp):

@@ -39,7 +39,11 @@ def test_latest_checkpoint_is_none_without_a_state_file_or_when_the_files_are_go
     os.remove(os.path.join(path, "meta", "metadata"))
     assert checkpoint.latest_checkpoint(str(tmp_path)) is None
     (tmp_path / "checkpoint").write_text("model_checkpoint_path: [not a string")
-    with pytest.raises(ValueError, match="is not a CheckpointState"):
+    with pytest.raises(checkpoint.CheckpointFormatError, match="checkpoint: not a text CheckpointState"):
+        checkpoint.latest_checkpoint(str(tmp_path))
+    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "../elsewhere/ckpt-1"')
+    with pytest.raises(checkpoint.CheckpointFormatError, match=r"names checkpoint '../elsewhere/ckpt-1', which is "
+                                                               r"outside .*; a state file may only name"):
         checkpoint.latest_checkpoint(str(tmp_path))
 
 
