@@ -2,10 +2,9 @@
 
 from checkpoint._by_name import NameBasedLoadStatus, restore_by_name
 from checkpoint._checkpoint import Checkpoint, LoadStatus
+from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint._manager import CheckpointManager, latest_checkpoint
-from checkpoint._orbax import DataLossError
 from checkpoint._reader import read_checkpoint
-from checkpoint._table import CheckpointFormatError
 
 __all__: list[str] = [
     "Checkpoint",

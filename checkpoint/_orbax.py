@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from google.protobuf.message import DecodeError
 
+from checkpoint._errors import DataLossError
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 from varstate._partition import SaveSliceInfo
 
@@ -43,14 +44,6 @@ _DTYPES = {
     for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
               np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16)
 }
-
-
-class DataLossError(OSError):
-    """A stored value failed its checksum or is truncated (TF's DataLossError).
-
-    >>> issubclass(DataLossError, OSError)
-    True
-    """
 
 
 def _crc(host: np.ndarray) -> int:

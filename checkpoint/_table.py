@@ -16,6 +16,8 @@ from collections.abc import Iterable
 import google_crc32c
 import numpy as np
 
+from checkpoint._errors import CheckpointFormatError
+
 __all__ = ["CheckpointFormatError", "crc32c", "mask", "read_table", "write_table"]
 
 _MAGIC = 0xDB4775248B80FB57
@@ -24,17 +26,6 @@ _TRAILER_SIZE = 5  # compression type byte + fixed32 crc
 _MASK_DELTA = 0xA282EAD8
 BLOCK_SIZE = 262_144  # a data block is cut once it reaches this many bytes (TF's default)
 _RESTART_INTERVAL = 16
-
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint file is corrupt, truncated, or uses a feature this reader does not support.
-
-    The message names the file and, where known, the key.
-
-    >>> import checkpoint
-    >>> issubclass(checkpoint.CheckpointFormatError, ValueError)
-    True
-    """
 
 
 def _load_extend():
