@@ -95,8 +95,10 @@ class _Layout:
         offset, parts, sizes = 0, [], []
 
         def close_pack():
+            if not offset:  # only empty values: orbax refuses an empty array
+                parts.append(np.zeros(_ALIGN, np.uint8))
             tree[f"p{len(sizes)}"] = np.concatenate(parts)
-            sizes.append(offset)
+            sizes.append(offset or _ALIGN)
 
         for (entry, _), host in zip(self.small, hosts, strict=True):
             host = np.ascontiguousarray(host)
@@ -163,7 +165,9 @@ def checkpointer(async_save: bool = False) -> ocp.AbstractCheckpointer:
 
 
 def save_args(tree: dict, meta: dict) -> ocp.args.Composite:
-    return ocp.args.Composite(values=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta))
+    # orbax refuses an empty tree: a checkpoint of Python values only has no values item.
+    values = {"values": ocp.args.PyTreeSave(tree)} if tree else {}
+    return ocp.args.Composite(**values, meta=ocp.args.JsonSave(meta))
 
 
 def is_checkpoint(path: str) -> bool:

@@ -592,3 +592,19 @@ def test_small_values_fill_several_packs_and_one_value_reads_one_pack(tmp_path, 
     got = checkpoint.Checkpoint(**{k: jnp.zeros(100) for k in tree}).restore(path).assert_consumed()
     for i in range(7):
         np.testing.assert_array_equal(got.roots[f"v{i}"], np.full(100, float(i), np.float32))
+
+
+@pytest.mark.parametrize("roots", [
+    {},
+    {"none": None},
+    {"cfg": {"lr": 0.5, "name": "run"}},
+    {"empty": jnp.zeros((0, 3)), "v": varstate.Variable(jnp.zeros((2, 0)))},
+], ids=["no-roots", "only-none", "only-python", "only-zero-size"])
+def test_write_without_any_stored_bytes(tmp_path, roots):
+    # save() always has save_counter's 8 bytes; write() may have none (orbax refuses empty trees and empty arrays).
+    path = checkpoint.Checkpoint(**roots).write(str(tmp_path / "c"))
+    template = jax.tree.map(lambda x: jnp.ones_like(x) if isinstance(x, jax.Array) else x, roots)
+    got = checkpoint.Checkpoint(**template).restore(path).assert_consumed().roots
+    assert jax.tree.structure(got) == jax.tree.structure(roots)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(roots), strict=True):
+        assert type(a) is type(b) and np.shape(a) == np.shape(b) and np.asarray(a).tolist() == np.asarray(b).tolist()
