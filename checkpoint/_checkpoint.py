@@ -32,6 +32,11 @@ def _values(graph: _graph.Graph) -> dict[str, Any]:
         else:
             var = _graph.as_variable(obj)
             out[s.key] = var.value if var is not None else obj
+            if isinstance(out[s.key], jax.Array) and jax.dtypes.issubdtype(out[s.key].dtype, jax.dtypes.prng_key):
+                raise TypeError(
+                    f"Cannot save {s.key!r}: a PRNG key array ({out[s.key].dtype}) has no storable dtype. Save "
+                    "jax.random.key_data(key) and rebuild the key with jax.random.wrap_key_data after restoring."
+                )
     return out
 
 
@@ -324,13 +329,13 @@ class LoadStatus:
             opt = _OptCell(obj, non_slots, child(_graph.PLAIN_SLOTS, _graph.plain_slots(obj)), node_id, label)
             opts.append(opt)
             return opt
-        return _graph.rebuild(obj, child)
+        return _graph.rebuild(obj, child, label)
 
     def _unmatched(self, obj, k, label) -> None:
         if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
             self._state.unmatched[label] = None
         elif k in (CONTAINER, OPTIMIZER):
-            for name, c in _graph.children(obj):
+            for name, c in _graph.children(obj, label):
                 self._unmatched(c, _graph.kind(c), f"{label}.{name}")
             if k == OPTIMIZER:
                 for slot in _graph.slot_variables(obj):
@@ -495,11 +500,17 @@ def _place(value: Any, like: Any) -> jax.Array:
 def _finish(cell: _Cell, value: Any) -> Any:
     t = cell.template
     if cell.kind == PYTHON:
-        item = np.asarray(value).item()
-        if isinstance(t, str):
-            return item.decode() if isinstance(item, bytes) else str(item)
-        if isinstance(item, bytes) or isinstance(item, str):
-            raise TypeError(f"Cannot restore {cell.label}: saved a string, the object is {type(t).__name__}.")
+        value = np.asarray(value)
+        item = value.item() if value.shape == () else value
+        if isinstance(item, bytes):
+            item = item.decode()
+        # The saved type, or an int into a float: any other conversion would change the value silently.
+        if type(item) is not type(t) and not (type(t) is float and type(item) is int):
+            found = f"an array of shape {value.shape}" if value.shape else f"a Python {type(item).__name__}"
+            raise TypeError(
+                f"Cannot restore {cell.label}: the checkpoint value {cell.key!r} is {found}, the object is a Python "
+                f"{type(t).__name__}. Give a template of the saved type, or leave it out of the restore."
+            )
         return type(t)(item)
     if cell.kind == ARRAY:
         if isinstance(t, (np.ndarray, np.generic)):

@@ -80,7 +80,7 @@ def _key_name(k: Any) -> str:
     return str(k)
 
 
-def children(obj: Any) -> list[tuple[str, Any]]:
+def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
     """An object's direct dependencies as (local name, child), in pytree order."""
     if isinstance(obj, OptimizerState):
         # Slot Variables hang off their primaries (slot_variables); non-slots are children.
@@ -89,8 +89,20 @@ def children(obj: Any) -> list[tuple[str, Any]]:
         if jax.tree.leaves(plain):
             kids.append((PLAIN_SLOTS, plain))
         return kids
-    pairs, _ = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    pairs, _ = _flatten_one(obj, where)
     return [(_key_name(path[0]), child) for path, child in pairs]
+
+
+def _flatten_one(obj: Any, where: str) -> tuple[list, Any]:
+    """One level of a container's pytree; a ValueError naming `where` if `obj` is a leaf of no supported kind."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    if pairs and not pairs[0][0]:
+        raise ValueError(
+            f"Cannot checkpoint {where}: {type(obj).__name__} {obj!r:.60} is not a Variable, PartitionedVariable, "
+            "OptimizerState, array, Python bool/int/float/str or a pytree of them. Leave it out of the roots, or "
+            "register its type as a pytree (e.g. jax.tree_util.register_dataclass)."
+        )
+    return pairs, treedef
 
 
 def _slot_leaf(x: Any) -> bool:
@@ -122,9 +134,9 @@ def merge_slots(template: Any, variable_slots, plain: Any) -> Any:
     return treedef.unflatten(out)
 
 
-def rebuild(obj: Any, fn) -> Any:
+def rebuild(obj: Any, fn, where: str = "an object") -> Any:
     """`obj` with each direct child replaced by `fn(local_name, child)`."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    pairs, treedef = _flatten_one(obj, where)
     return treedef.unflatten([fn(_key_name(path[0]), child) for path, child in pairs])
 
 
@@ -178,6 +190,7 @@ def build(roots: dict[str, Any]) -> Graph:
     proto = TrackableObjectGraph()
     proto.nodes.add()  # the root: the Checkpoint itself
     paths = [""]
+    labels = ["(root)"]  # TF's pretty names, for errors
     objects: list[Any] = [None]
     kinds = [CONTAINER]
     node_of: dict[Any, int] = {}
@@ -195,12 +208,13 @@ def build(roots: dict[str, Any]) -> Graph:
                 proto.nodes.add()
                 path = f"{paths[parent]}/{escape(name)}" if parent else escape(name)
                 paths.append(path)
+                labels.append(f"{labels[parent]}.{name}")
                 objects.append(child)
                 kinds.append(k)
                 if ident is not None:
                     node_of[ident] = node_id
                 if k in (CONTAINER, OPTIMIZER):
-                    queue.append((node_id, children(child)))
+                    queue.append((node_id, children(child, labels[node_id])))
             ref = proto.nodes[parent].children.add()
             ref.node_id, ref.local_name = node_id, name
     saveables = []

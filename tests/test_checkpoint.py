@@ -608,3 +608,43 @@ def test_write_without_any_stored_bytes(tmp_path, roots):
     assert jax.tree.structure(got) == jax.tree.structure(roots)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(roots), strict=True):
         assert type(a) is type(b) and np.shape(a) == np.shape(b) and np.asarray(a).tolist() == np.asarray(b).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_python_values_restore_only_into_their_own_type(tmp_path, fmt):
+    saved = {"f": 0.25, "i": 3, "b": True, "arr": jnp.arange(3.0), "wide": 7}
+    path = checkpoint.Checkpoint(**saved).write(str(tmp_path / "c"), format=fmt)
+    # an int widens to a float, as in JSON; every other change of type would silently change the value
+    assert checkpoint.Checkpoint(wide=0.0).restore(path).expect_partial().wide == 7.0
+    assert type(checkpoint.Checkpoint(wide=0.0).restore(path).expect_partial().wide) is float
+    for name, template, found in [("f", 0, "float"), ("i", False, "int"), ("b", 0, "bool"), ("i", "", "int"),
+                                  ("f", "", "float")]:
+        want = (rf"Cannot restore \(root\)\.{name}: the checkpoint value '{name}/\.ATTRIBUTES/py_state' is a Python "
+                rf"{found}, the object is a Python {type(template).__name__}\. ")
+        with pytest.raises(TypeError, match=want):
+            checkpoint.Checkpoint(**{name: template}).restore(path)
+    with pytest.raises(TypeError, match=r"Cannot restore \(root\)\.arr: the checkpoint value 'arr/\.ATTRIBUTES/"
+                                        r"VARIABLE_VALUE' is an array of shape \(3,\), the object is a Python int\. "):
+        checkpoint.Checkpoint(arr=0).restore(path)
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize("leaf", [b"bytes", Opaque(), jnp.float32], ids=["bytes", "object", "dtype"])
+def test_unsupported_leaves_are_refused_with_their_path(tmp_path, leaf):
+    tree = {"ok": jnp.ones(1), "deep": [{"x": leaf}]}
+    where = r"\(root\)\.model\.deep\.0\.x"
+    with pytest.raises(ValueError, match=rf"Cannot checkpoint {where}: {type(leaf).__name__} .* is not a Variable"):
+        checkpoint.Checkpoint(model=tree).write(str(tmp_path / "c"))
+    path = checkpoint.Checkpoint(model={"ok": jnp.ones(1)}).write(str(tmp_path / "ok"))
+    with pytest.raises(ValueError, match=rf"Cannot checkpoint {where}: {type(leaf).__name__} .* is not a Variable"):
+        checkpoint.Checkpoint(model=tree).restore(path)
+
+
+def test_prng_key_arrays_are_refused_with_the_fix(tmp_path):
+    for fmt in ("orbax", "tf"):
+        with pytest.raises(TypeError, match=r"Cannot save 'rng/\.ATTRIBUTES/VARIABLE_VALUE': a PRNG key array "
+                                            r"\(key<fry>\).*jax\.random\.key_data"):
+            checkpoint.Checkpoint(rng=jax.random.key(0)).write(str(tmp_path / fmt), format=fmt)
