@@ -109,9 +109,9 @@ class CheckpointManager:
                 shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
         state = read_checkpoint_state(self.directory)
         listed = state.all_model_checkpoint_paths if state is not None else []
-        self._steps = sorted(
-            s for s in (self._step_of(p) for p in listed) if s is not None and _exists(self._path(s))
-        )
+        # In the state file's order, oldest saved first (not by step number), as TF's manager recovers it.
+        steps = [s for s in (self._step_of(p) for p in listed) if s is not None and _exists(self._path(s))]
+        self._steps = list(dict.fromkeys(reversed(steps)))[::-1]  # a step listed twice: its last place
         self._checkpointer: Any = _orbax.checkpointer(async_save)
         self._async = async_save
         self._thread: threading.Thread | None = None

@@ -149,3 +149,18 @@ def test_saving_a_step_again_unlists_it_while_it_is_rewritten(tmp_path, monkeypa
     monkeypatch.setattr(checkpoint.Checkpoint, "write", spy)
     only.save(5, m=model(6))
     assert seen[-1] is None and only.restore(m=template()).m["w"].value.tolist() == [6.0] * 3
+
+
+def test_a_reopened_manager_keeps_the_saving_order_of_the_state_file(tmp_path):
+    # Resumed from an earlier step (training diverged after step 30) and saved step 20 again: as in TF's
+    # CheckpointManager, "latest" is the most recently saved, also for a manager reopened on the directory.
+    mgr = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2)
+    for step in (10, 30, 20):
+        mgr.save(step, m=model(step))
+    assert mgr.checkpoints == [str(tmp_path / "ckpt-30"), str(tmp_path / "ckpt-20")]
+    assert mgr.latest_checkpoint == checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-20")
+    reopened = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2)
+    assert reopened.checkpoints == mgr.checkpoints
+    assert reopened.restore(m=template()).m["w"].value.tolist() == [20.0] * 3
+    reopened.save(40, m=model(40))  # the oldest saved (30) goes, not the smallest step
+    assert reopened.checkpoints == [str(tmp_path / "ckpt-20"), str(tmp_path / "ckpt-40")]
