@@ -1,0 +1,594 @@
+"""`export` / `load`: a pytree with its jitted functions as a directory that runs without the code that made it.
+
+Layout of an export directory (TF's SavedModel layout, our own top-level file):
+
+    export.pb                   ExportDef: format version, SavedObjectGraph, asset file names, function digests
+    variables/variables.*       TensorBundle with TF's object-graph keys (variables, captured constants)
+    functions/<name>            one `jax.export` serialization per signature
+    assets/<file>               copies of the exported `Asset` files
+
+Functions take the variables and constants they read as explicit inputs (the
+`bound_inputs` of their SavedConcreteFunction), so a loaded function computes
+with the restored values. Nothing loaded executes Python code from the files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from google.protobuf.message import DecodeError
+from jax.extend.core import Literal
+
+from checkpoint import _graph
+from checkpoint._bundle import _ENUM_OF, _NUMERIC, BundleReader, write_bundle
+from checkpoint._checkpoint import _tf_tensors, _values
+from checkpoint._errors import CheckpointFormatError
+from checkpoint.protos import saved_object_graph_pb2 as pb
+from checkpoint.protos.tensor_shape_pb2 import TensorShapeProto
+from checkpoint.protos.versions_pb2 import VersionDef
+from varstate._partition import PartitionedVariable
+from varstate._registry import Registry
+from varstate._variable import Variable, VariableAggregation, VariableSynchronization
+
+_log = logging.getLogger("checkpoint")
+
+_VERSION = 1  # this exporter's format version; a reader accepts min_consumer <= _VERSION
+EXPORT_FILE = "export.pb"
+SIGNATURES = "signatures"
+_WRAPPERS = {dict: "trackable_dict_wrapper", list: "trackable_list_wrapper", tuple: "trackable_tuple_wrapper"}
+_GENERIC = "_generic_user_object"
+_SIGNATURE_MAP = "signature_map"
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+class Asset:
+    """A file that goes with an export: copied into ``<export>/assets/``; loaded, `asset_path` points at the copy.
+
+    >>> import pathlib, tempfile, checkpoint
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (tmp / "vocab.txt").write_text("a b")
+    >>> _ = checkpoint.export(tmp / "out", {"vocab": checkpoint.Asset(tmp / "vocab.txt")})
+    >>> pathlib.Path(checkpoint.load(tmp / "out").vocab.asset_path).read_text().split()
+    ['a', 'b']
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.asset_path = os.fspath(path)
+
+    def __repr__(self) -> str:
+        return f"Asset({self.asset_path!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registration:
+    cls: type
+    version: int
+    min_producer_version: int
+    min_consumer_version: int
+    bad_consumers: tuple[int, ...]
+    from_children: Callable[[dict[str, Any]], Any]
+
+    def accepts(self, v: VersionDef) -> bool:  # TF's rule for a revived type
+        return self.version >= v.min_consumer and v.producer >= self.min_producer_version and (
+            self.version not in v.bad_consumers)
+
+
+_REVIVED: dict[str, list[_Registration]] = {}  # identifier -> registrations, highest version first
+_IDENTIFIER_OF: dict[type, str] = {}
+
+
+def register_revived_type(identifier: str, cls: type, *, version: int = 1, min_producer_version: int = 1,
+                          min_consumer_version: int = 1, bad_consumers: tuple[int, ...] = (),
+                          from_children: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    """Registers pytree type `cls` under `identifier` so `load` rebuilds it (TF's revived types).
+
+    `export` writes the highest registered `version` with `min_consumer_version`
+    and `bad_consumers`. `load` uses the highest registration whose version is
+    ``>= min_consumer`` of the file, not among its `bad_consumers`, and whose
+    `min_producer_version` the file's version reaches; with none it loads a
+    generic object and logs why. `from_children` builds the object from
+    ``{child name: loaded child}`` (default ``cls(**children)``, which suits
+    dataclasses and NamedTuples). Registering a version again replaces it.
+
+    >>> import dataclasses, os, tempfile, jax, jax.numpy as jnp, varstate, checkpoint
+    >>> @jax.tree_util.register_dataclass
+    ... @dataclasses.dataclass
+    ... class Dense:
+    ...     kernel: varstate.Variable
+    >>> checkpoint.register_revived_type("example.Dense", Dense, version=2, min_consumer_version=1)
+    >>> root = {"dense": Dense(varstate.Variable(jnp.ones(2)))}
+    >>> path = checkpoint.export(os.path.join(tempfile.mkdtemp(), "m"), root)
+    >>> type(checkpoint.load(path).dense).__name__
+    'Dense'
+    """
+    if not isinstance(identifier, str) or not identifier or identifier in (*_WRAPPERS.values(), _GENERIC,
+                                                                           _SIGNATURE_MAP):
+        raise ValueError(f"register_revived_type: identifier must be a new non-empty string, got {identifier!r}.")
+    if _IDENTIFIER_OF.get(cls, identifier) != identifier:
+        raise ValueError(f"register_revived_type: {cls.__qualname__} is already registered as "
+                         f"{_IDENTIFIER_OF[cls]!r}; one type has one identifier.")
+    reg = _Registration(cls, version, min_producer_version, min_consumer_version, tuple(bad_consumers),
+                        from_children or (lambda children: cls(**children)))
+    regs = [r for r in _REVIVED.get(identifier, []) if r.version != version] + [reg]
+    _REVIVED[identifier] = sorted(regs, key=lambda r: -r.version)
+    _IDENTIFIER_OF[cls] = identifier
+
+
+class RevivedObject:
+    """A loaded object of a type not registered here (TF's generic user object): its children as attributes."""
+
+    def __init__(self, identifier: str, children: Mapping[str, Any]) -> None:
+        self.__dict__.update(children)
+        self.__dict__["_identifier"] = identifier
+
+    def __repr__(self) -> str:
+        names = sorted(k for k in self.__dict__ if k != "_identifier")
+        return f"RevivedObject({self._identifier!r}, attributes={names})"
+
+
+class Signature:
+    """A loaded signature: checks the arguments, then runs the deserialized `jax.export.Exported` on them
+    and on the restored variables and constants it reads."""
+
+    def __init__(self, name: str, exported: jax.export.Exported, captured: list[Any], where: str) -> None:
+        self.name, self.exported, self._captured, self._where = name, exported, captured, where
+        top = jax.tree_util.treedef_children(exported.in_tree)[0]  # ((captured, *args), {})
+        self._arg_trees = jax.tree_util.treedef_children(top)[1:]
+        self._arg_avals = exported.in_avals[len(captured):]
+
+    def __repr__(self) -> str:
+        args = ", ".join(str(a.str_short()) for a in self._arg_avals)
+        return f"Signature({self.name!r}, ({args}) -> {self.exported.out_tree})"
+
+    def __call__(self, *args: Any) -> Any:
+        what = f"Signature {self.name!r} of {self._where}"
+        if len(args) != len(self._arg_trees):
+            raise TypeError(f"{what} takes {len(self._arg_trees)} positional argument(s), got {len(args)}.")
+        leaves = []
+        for i, (arg, tree) in enumerate(zip(args, self._arg_trees, strict=True)):
+            found = jax.tree.structure(arg)
+            if found != tree:
+                raise TypeError(f"{what}: argument {i} has structure {found}, expected {tree}.")
+            leaves.extend(jax.tree.leaves(arg))
+        for j, (x, aval) in enumerate(zip(leaves, self._arg_avals, strict=True)):
+            x = jnp.asarray(x)
+            fits = x.ndim == len(aval.shape) and all(
+                jax.export.is_symbolic_dim(d) or d == n for d, n in zip(aval.shape, x.shape, strict=True))
+            if x.dtype != aval.dtype or not fits:
+                expected, got = aval.str_short(), f"{x.dtype.name}[{','.join(map(str, x.shape))}]"
+                err = TypeError if x.dtype != aval.dtype else ValueError
+                raise err(f"{what}: input {j} expects {expected}, got {got}. Pass arrays of that dtype and shape "
+                          "(symbolic dimensions accept any size).")
+        captured = [c.value if isinstance(c, Variable) else c for c in self._captured]
+        return self.exported.call(captured, *args)
+
+
+def export(directory: str | os.PathLike, root: Any,
+           signatures: Mapping[str, tuple[Callable[..., Any], tuple[Any, ...]]] | None = None,
+           *, platforms: tuple[str, ...] | None = None) -> str:
+    """Writes `root` (a pytree of Variables, arrays, Python scalars and `Asset`s) and its signatures.
+
+    `signatures` maps a name to ``(fn, example_args)``: ``fn(root, *args)`` is
+    exported with `jax.export` for the shapes and dtypes of `example_args`
+    (arrays or `jax.ShapeDtypeStruct`s, pytrees of them; a dimension from
+    `jax.export.symbolic_shape` accepts any size). The Variables and arrays
+    of `root` that `fn` reads become inputs of the exported function, so the
+    loaded one computes with the restored values; anything else `fn` closes
+    over is baked in. `platforms` (e.g. ``("cpu", "cuda")``) defaults to the
+    current backend. Returns the directory, which must not exist or be empty.
+
+    >>> import os, tempfile, jax, jax.numpy as jnp, varstate, checkpoint
+    >>> params = {"w": varstate.Variable(jnp.full((3, 2), 0.5), name="w"), "b": varstate.Variable(jnp.ones(2))}
+    >>> predict = lambda p, x: x @ p["w"].value + p["b"].value
+    >>> batch = jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 3"), jnp.float32)
+    >>> path = checkpoint.export(os.path.join(tempfile.mkdtemp(), "model"), params, {"serve": (predict, (batch,))})
+    >>> sorted(os.listdir(path))
+    ['export.pb', 'functions', 'variables']
+    >>> loaded = checkpoint.load(path)
+    >>> loaded.w.name, loaded.signatures["serve"](jnp.ones((4, 3))).shape
+    ('w', (4, 2))
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise FileExistsError(f"export: {directory!r} exists and is not an empty directory; pick a new one.")
+    if _graph.kind(root) != _graph.CONTAINER or isinstance(root, Asset):
+        raise TypeError(f"export: root must be a container pytree (dict, list, dataclass, ...), got "
+                        f"{type(root).__name__}; wrap it, e.g. {{'model': root}}.")
+    signatures = dict(signatures or {})
+    is_asset = lambda x: isinstance(x, Asset)
+    stripped = jax.tree.map(lambda x: None if is_asset(x) else x, root, is_leaf=is_asset)
+    kids = dict(_graph.children(stripped))
+    if SIGNATURES in kids or (signatures and SIGNATURES in dict(_graph.children(root))):
+        raise ValueError(f"export: the root's child {SIGNATURES!r} is reserved for the signatures; rename it.")
+    graph = _graph.build(kids)
+    saved = pb.SavedObjectGraph()
+    by_key = {s.key: s for s in graph.saveables}
+    objs: dict[int, Any] = {0: stripped}
+    for i, node in enumerate(graph.proto.nodes):
+        out = saved.nodes.add()
+        out.children.extend(node.children)
+        out.slot_variables.extend(node.slot_variables)
+        for ref in node.children:
+            objs.setdefault(ref.node_id, dict(_graph.children(objs[i]))[ref.local_name])
+        if node.attributes:
+            _describe_value(out, by_key[node.attributes[0].checkpoint_key], graph.paths[i])
+        else:
+            _describe_container(out, objs[i])
+    tmp = f"{directory}.tmp-{secrets.token_hex(4)}"
+    os.makedirs(tmp)
+    try:
+        definition = pb.ExportDef(version=VersionDef(producer=_VERSION, min_consumer=1))
+        _add_assets(definition, saved, root, tmp)
+        write_bundle(os.path.join(tmp, "variables", "variables"), _tf_tensors(_values(graph), graph.proto))
+        _add_signatures(definition, saved, root, signatures, graph, tmp, platforms)
+        definition.object_graph.CopyFrom(saved)
+        with open(os.path.join(tmp, EXPORT_FILE), "wb") as f:
+            f.write(definition.SerializeToString())
+        os.rename(tmp, directory)  # replaces an empty directory; never leaves a half export there
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def _describe_value(out: pb.SavedObject, s: _graph.Saveable, path: str) -> None:
+    var = _graph.as_variable(s.obj)
+    if isinstance(s.obj, (PartitionedVariable, list)):
+        raise ValueError(f"export: {path!r} is a partitioned variable, which export does not support; "
+                         "export the full value as one Variable.")
+    if var is None:
+        out.constant.operation = s.key  # the value's key in the variables bundle
+        return
+    v = out.variable
+    v.dtype = _ENUM_OF.get(np.dtype(var.dtype), 0)
+    v.shape.dim.extend(TensorShapeProto.Dim(size=d) for d in var.shape)
+    v.trainable, v.name = var.trainable, var.name
+    v.synchronization, v.aggregation = int(var.synchronization), int(var.aggregation)
+
+
+def _describe_container(out: pb.SavedObject, obj: Any) -> None:
+    identifier = _IDENTIFIER_OF.get(type(obj)) or _WRAPPERS.get(type(obj), _GENERIC)
+    out.user_object.identifier = identifier
+    out.user_object.metadata = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    regs = _REVIVED.get(identifier)
+    if regs:
+        r = regs[0]
+        out.user_object.version.CopyFrom(VersionDef(producer=r.version, min_consumer=r.min_consumer_version,
+                                                       bad_consumers=r.bad_consumers))
+    else:
+        out.user_object.version.CopyFrom(VersionDef(producer=1, min_consumer=1))
+
+
+def _child(saved: pb.SavedObjectGraph, node: int, name: str) -> int | None:
+    return next((r.node_id for r in saved.nodes[node].children if r.local_name == name), None)
+
+
+def _node_at(saved: pb.SavedObjectGraph, names: list[str]) -> int | None:
+    node: int | None = 0
+    for name in names:
+        node = _child(saved, node, name) if node is not None else None
+    return node
+
+
+def _add_assets(definition: pb.ExportDef, saved: pb.SavedObjectGraph, root: Any, tmp: str) -> None:
+    copied: dict[str, int] = {}
+    for path, asset in jax.tree_util.tree_flatten_with_path(root, is_leaf=lambda x: isinstance(x, Asset))[0]:
+        if not isinstance(asset, Asset):
+            continue
+        names = [_graph._key_name(k) for k in path]
+        src = os.path.realpath(asset.asset_path)
+        if not os.path.isfile(src):
+            raise FileNotFoundError(f"export: asset {'/'.join(names)!r} names {asset.asset_path!r}, not a file.")
+        if src not in copied:
+            base, ext = os.path.splitext(os.path.basename(src))
+            taken = {a.filename for a in definition.asset_file_def}
+            name, n = base + ext, 0
+            while name in taken:
+                n += 1
+                name = f"{base}_{n}{ext}"
+            os.makedirs(os.path.join(tmp, "assets"), exist_ok=True)
+            shutil.copyfile(src, os.path.join(tmp, "assets", name))
+            copied[src] = len(definition.asset_file_def)
+            definition.asset_file_def.add(filename=name)
+        parent, obj = 0, root
+        for name in names[:-1]:  # containers that held only assets were left out of the graph
+            obj = dict(_graph.children(obj))[name]
+            child = _child(saved, parent, name)
+            if child is None:
+                child = len(saved.nodes)
+                _describe_container(saved.nodes.add(), obj)
+                saved.nodes[parent].children.add(node_id=child, local_name=name)
+            parent = child
+        saved.nodes[parent].children.add(node_id=len(saved.nodes), local_name=names[-1])
+        saved.nodes.add().asset.asset_file_def_index = copied[src]
+
+
+def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) -> None:
+    if not signatures:
+        return
+    node_of_rid = {}
+    for s in graph.saveables:
+        var = _graph.as_variable(s.obj)
+        if var is not None:
+            node_of_rid[var.resource_id] = _node_at_path(graph, s.key)
+    sig_map = len(saved.nodes)
+    saved.nodes.add().user_object.identifier = _SIGNATURE_MAP
+    saved.nodes[sig_map].user_object.version.CopyFrom(VersionDef(producer=1, min_consumer=1))
+    saved.nodes[0].children.add(node_id=sig_map, local_name=SIGNATURES)
+    is_leaf = lambda x: _graph.as_variable(x) is not None or isinstance(x, Asset)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_leaf)
+    for i, (name, entry) in enumerate(sorted(signatures.items())):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"export: signature names must be non-empty strings, got {name!r}.")
+        if not (isinstance(entry, tuple) and len(entry) == 2 and callable(entry[0])
+                and isinstance(entry[1], (tuple, list))):
+            raise TypeError(f"export: signature {name!r} must be (fn, example_args) with fn(root, *example_args), "
+                            f"example_args a tuple; got {entry!r}.")
+        fn, example_args = entry
+        leaf_nodes = []  # per root leaf: its node if it is passed in as an input, else None (static)
+        for path, leaf in flat:
+            var = _graph.as_variable(leaf)
+            leaf_nodes.append(node_of_rid.get(var.resource_id) if var is not None else _node_at(
+                saved, [_graph._key_name(k) for k in path]) if isinstance(leaf, (jax.Array, np.ndarray)) else None)
+        arg_specs = jax.tree.map(_spec, tuple(example_args))
+        for attempt in range(2):  # the first traces to find the inputs the function reads; TF captures only those
+            bound = list(dict.fromkeys(n for n in leaf_nodes if n is not None))  # node ids, in input order
+            slots = [None if n is None else bound.index(n) for n in leaf_nodes]
+            first = {n: leaf for (_, leaf), n in reversed(list(zip(flat, leaf_nodes, strict=True)))}
+            specs = [_spec(first[n]) for n in bound]
+
+            def flat_fn(captured, *args, fn=fn, slots=slots):
+                leaves = [_feed(leaf, None if k is None else captured[k]) for (_, leaf), k in zip(flat, slots,
+                                                                                                  strict=True)]
+                out = fn(treedef.unflatten(leaves), *args)
+                return jax.tree.map(lambda x: _feed(x, None), out, is_leaf=is_leaf)  # Variables out as their values
+
+            try:
+                if attempt == 0:
+                    jaxpr = jax.make_jaxpr(flat_fn)(specs, *arg_specs).jaxpr
+                    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
+                    used |= {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+                    unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
+                    leaf_nodes = [None if n in unused else n for n in leaf_nodes]
+                else:
+                    exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
+            except Exception as e:
+                e.add_note(f"while exporting signature {name!r} with jax.export")
+                raise
+        fname = f"__inference_{re.sub(r'[^A-Za-z0-9_]', '_', name)}_{i}"
+        data = exported.serialize()
+        os.makedirs(os.path.join(tmp, "functions"), exist_ok=True)
+        with open(os.path.join(tmp, "functions", fname), "wb") as f:
+            f.write(data)
+        definition.function_sha256[fname] = hashlib.sha256(data).digest()
+        cf = saved.concrete_functions[fname]
+        cf.bound_inputs.extend(bound)
+        cf.canonicalized_input_signature.CopyFrom(_structure((tuple(arg_specs), {})))
+        cf.output_signature.CopyFrom(_structure(exported.out_tree.unflatten(exported.out_avals)))
+        node = len(saved.nodes)
+        bare = saved.nodes.add().bare_concrete_function
+        bare.concrete_function_name, bare.allowed_positional_arguments = fname, len(example_args)
+        saved.nodes[sig_map].children.add(node_id=node, local_name=name)
+
+
+def _feed(leaf: Any, value: Any) -> Any:
+    """`leaf` reading `value` (a traced input) in place of its stored value; a Variable without one: its value."""
+    var = _graph.as_variable(leaf)
+    if var is not None:
+        return var.value if value is None else _graph.rewrap(leaf, var._with_value(value))
+    return leaf if value is None else value
+
+
+def _node_at_path(graph: _graph.Graph, key: str) -> int:
+    return graph.paths.index(key.split("/.ATTRIBUTES/")[0])
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    var = _graph.as_variable(x)
+    x = var.value if var is not None else x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)  # no sharding: the export runs on any one device
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
+
+
+def _structure(tree: Any) -> pb.StructuredValue:
+    """A pytree of specs as TF's StructuredValue (tuples, lists, dicts, None, TensorSpecs)."""
+    out = pb.StructuredValue()
+    if tree is None:
+        out.none_value.SetInParent()
+    elif isinstance(tree, dict):
+        out.dict_value.SetInParent()
+        for k, v in tree.items():
+            out.dict_value.fields[str(k)].CopyFrom(_structure(v))
+    elif isinstance(tree, (list, tuple)):
+        (out.list_value if isinstance(tree, list) else out.tuple_value).values.extend(map(_structure, tree))
+    elif hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        spec = out.tensor_spec_value
+        spec.dtype = _ENUM_OF.get(np.dtype(tree.dtype), 0)
+        for d in tree.shape:
+            symbolic = jax.export.is_symbolic_dim(d)
+            spec.shape.dim.add(size=-1 if symbolic else int(d), name=str(d) if symbolic else "")
+    else:
+        out.tuple_value.values.extend(map(_structure, jax.tree_util.tree_flatten(tree, lambda x: x is not tree)[0]))
+    return out
+
+
+def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> RevivedObject:
+    """Loads an export: an object whose attributes mirror the exported root, plus `signatures`.
+
+    Variables come back as `varstate.Variable`s with their names and flags (in
+    `registry`, by default a new one, so names are kept exactly), arrays and
+    Python scalars as they were, dicts/lists/tuples as such, registered types
+    through `register_revived_type`, other containers as generic objects, and
+    ``signatures[name](*args)`` runs the exported function. Needs none of the
+    code that made the export.
+
+    >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
+    >>> root = {"scale": varstate.Variable(jnp.float32(3.0), name="scale", trainable=False), "offset": jnp.ones(2)}
+    >>> path = checkpoint.export(os.path.join(tempfile.mkdtemp(), "m"), root,
+    ...                          {"apply": (lambda r, x: x * r["scale"].value + r["offset"], (jnp.zeros(2),))})
+    >>> loaded = checkpoint.load(path)
+    >>> loaded.scale.name, loaded.scale.trainable, loaded.signatures["apply"](jnp.array([1.0, 2.0])).tolist()
+    ('scale', False, [4.0, 7.0])
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    top = os.path.join(directory, EXPORT_FILE)
+    if not os.path.isfile(top):
+        hint = (" It is a TensorFlow SavedModel (saved_model.pb), which this does not load."
+                if os.path.isfile(os.path.join(directory, "saved_model.pb")) else "")
+        raise FileNotFoundError(f"load: {directory!r} is not an export written by checkpoint.export "
+                                f"(no {EXPORT_FILE}).{hint}")
+    with open(top, "rb") as f:
+        try:
+            definition = pb.ExportDef.FromString(f.read())
+        except DecodeError:
+            raise CheckpointFormatError(f"{top}: not a valid ExportDef (the file is corrupt).") from None
+    v = definition.version
+    if v.producer < 1 or not definition.object_graph.nodes:
+        raise CheckpointFormatError(f"{top}: no format version or no objects (the file is corrupt).")
+    if v.min_consumer > _VERSION or _VERSION in v.bad_consumers:
+        raise ValueError(f"load: {directory!r} has export format version {v.producer} for readers of version >= "
+                         f"{v.min_consumer} except {list(v.bad_consumers)}; this reader is version {_VERSION}. "
+                         "Upgrade varstate to load it.")
+    return _Loader(directory, definition, registry or Registry()).root()
+
+
+class _Loader:
+    def __init__(self, directory: str, definition: pb.ExportDef, registry: Registry) -> None:
+        self.dir, self.definition, self.registry = directory, definition, registry
+        self.graph = definition.object_graph
+        self.reader = BundleReader(os.path.join(directory, "variables", "variables"))
+        self.ckpt_graph = self.reader.object_graph
+        self.names = _graph.node_names(self.graph)
+        self.memo: dict[int, Any] = {}
+        self.building: set[int] = set()
+
+    def fail(self, node: int, message: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.dir}: node {node} ({self.names[node]}): {message}")
+
+    def root(self) -> RevivedObject:
+        try:
+            kids = self.children(0)
+        except RecursionError:
+            raise CheckpointFormatError(f"{self.dir}: the object graph nests too deeply.") from None
+        return RevivedObject(self.graph.nodes[0].user_object.identifier or _GENERIC, kids)
+
+    def children(self, node: int) -> dict[str, Any]:
+        return {ref.local_name: self.node(ref.node_id, node) for ref in self.graph.nodes[node].children}
+
+    def node(self, i: int, parent: int) -> Any:
+        if not 0 < i < len(self.graph.nodes):
+            raise self.fail(parent, f"refers to node {i}, outside the graph's {len(self.graph.nodes)} nodes")
+        if i in self.memo:
+            return self.memo[i]
+        if i in self.building:
+            raise self.fail(i, "is its own descendant (a cycle in the object graph)")
+        self.building.add(i)
+        proto = self.graph.nodes[i]
+        kind = proto.WhichOneof("kind")
+        if kind == "variable":
+            obj = self.variable(i, proto.variable)
+        elif kind == "constant":
+            obj = self.constant(i, proto.constant.operation)
+        elif kind == "asset":
+            obj = self.asset(i, proto.asset.asset_file_def_index)
+        elif kind == "bare_concrete_function":
+            obj = self.signature(i, proto.bare_concrete_function)
+        elif kind == "user_object":
+            obj = self.user_object(i, proto.user_object)
+        else:
+            raise self.fail(i, f"has kind {kind!r}, which load does not support")
+        self.building.discard(i)
+        self.memo[i] = obj
+        return obj
+
+    def value(self, i: int, key: str) -> np.ndarray:
+        if key not in self.reader:
+            raise self.fail(i, f"its value {key!r} is missing from {self.reader.prefix}")
+        return self.reader.get(key)
+
+    def variable(self, i: int, sv: pb.SavedVariable) -> Variable:
+        attrs = self.ckpt_graph.nodes[i].attributes if self.ckpt_graph and i < len(self.ckpt_graph.nodes) else []
+        if not attrs:
+            raise self.fail(i, "the variables' object graph has no value for this variable")
+        value = self.value(i, attrs[0].checkpoint_key)
+        shape, dtype = tuple(d.size for d in sv.shape.dim), _NUMERIC.get(sv.dtype)
+        if value.shape != shape or value.dtype != dtype:
+            raise self.fail(i, f"stored value is {value.dtype}{list(value.shape)}, the graph says {dtype}{list(shape)}")
+        try:
+            return Variable(jnp.asarray(value), name=sv.name or None, trainable=sv.trainable,
+                            synchronization=VariableSynchronization(sv.synchronization),
+                            aggregation=VariableAggregation(sv.aggregation), registry=self.registry)
+        except (ValueError, TypeError) as e:
+            raise self.fail(i, str(e)) from None
+
+    def constant(self, i: int, key: str) -> Any:
+        value = self.value(i, key)
+        if key.endswith(f"/.ATTRIBUTES/{_graph.PY_STATE}"):  # a Python scalar
+            item = value.item()
+            return item.decode() if isinstance(item, bytes) else item
+        return jnp.asarray(value)
+
+    def asset(self, i: int, index: int) -> Asset:
+        files = self.definition.asset_file_def
+        if not 0 <= index < len(files):
+            raise self.fail(i, f"asset index {index} is outside the {len(files)} asset files")
+        assets = os.path.realpath(os.path.join(self.dir, "assets"))
+        path = os.path.realpath(os.path.join(assets, files[index].filename))
+        if os.path.dirname(path) != assets or not files[index].filename:
+            raise self.fail(i, f"asset file name {files[index].filename!r} leads outside {assets}; refusing it")
+        return Asset(path)
+
+    def user_object(self, i: int, uo: pb.SavedUserObject) -> Any:
+        if uo.identifier == _SIGNATURE_MAP:
+            return self.children(i)
+        kids = self.children(i)
+        if uo.identifier == _WRAPPERS[dict]:
+            return kids
+        if uo.identifier in (_WRAPPERS[list], _WRAPPERS[tuple]):
+            items = [kids[k] for k in sorted(kids, key=lambda k: int(k) if k.isdigit() else -1)]
+            return items if uo.identifier == _WRAPPERS[list] else tuple(items)
+        regs = _REVIVED.get(uo.identifier, [])
+        for reg in regs:
+            if reg.accepts(uo.version):
+                return reg.from_children(kids)
+        if uo.identifier != _GENERIC:
+            why = (f"no registered version accepts version {uo.version.producer} (min_consumer "
+                   f"{uo.version.min_consumer}, bad_consumers {list(uo.version.bad_consumers)}; registered: "
+                   f"{[r.version for r in regs]})" if regs else "the type is not registered here")
+            _log.warning("load: %s (%s, identifier %r) is loaded as a generic object: %s.", self.names[i],
+                         uo.metadata, uo.identifier, why)
+        return RevivedObject(uo.identifier, kids)
+
+    def signature(self, i: int, bare: pb.SavedBareConcreteFunction) -> Signature:
+        name = bare.concrete_function_name
+        if name not in self.graph.concrete_functions or not _FUNCTION_NAME.fullmatch(name):
+            raise self.fail(i, f"names concrete function {name!r}, which the export does not have")
+        path = os.path.join(self.dir, "functions", name)
+        with open(path, "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).digest() != self.definition.function_sha256.get(name):
+            raise CheckpointFormatError(f"{path}: the function file does not match its sha256 in {EXPORT_FILE} "
+                                        "(it was modified or is corrupt); export the model again.")
+        try:
+            exported = jax.export.deserialize(bytearray(data))
+        except (ValueError, TypeError, IndexError, struct.error) as e:
+            raise CheckpointFormatError(f"{path}: jax.export cannot deserialize it ({e}).") from e
+        captured = [self.node(n, i) for n in self.graph.concrete_functions[name].bound_inputs]
+        if jax.tree_util.treedef_children(jax.tree_util.treedef_children(exported.in_tree)[0])[0].num_leaves != len(
+                captured):
+            raise self.fail(i, f"function {name!r} takes a different number of captured inputs than its "
+                               f"{len(captured)} bound_inputs")
+        label = self.names[i].replace("(root).", "").replace(f"{SIGNATURES}.", "", 1)
+        return Signature(label, exported, captured, self.dir)
