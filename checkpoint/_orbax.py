@@ -326,7 +326,7 @@ class OrbaxReader:
             item, restore_args = {}, {}
             for name, (part, sharding) in missing.items():
                 if "offset" in part:
-                    item[name] = np.empty(self._packs[part["pack"]], np.uint8)
+                    item[name] = np.empty(0, np.uint8)  # a placeholder: the stored size is checked on use
                     restore_args[name] = ocp.RestoreArgs(restore_type=np.ndarray)
                 elif sharding is not None:
                     dtype, shape = _dtype(part["dtype"], name), tuple(part["shape"])
@@ -352,10 +352,12 @@ class OrbaxReader:
         dtype, shape = _dtype(e["dtype"], key), tuple(e["shape"])
         if "offset" in e:
             nbytes = math.prod(shape) * dtype.itemsize
-            packed = loaded[f"p{e['pack']}"]
-            start = int(e["offset"])
-            if start < 0 or start + nbytes > packed.size:
-                raise DataLossError(f"Checkpoint {self.path!r}: value {key!r} is truncated.")
+            packed, start = loaded[f"p{e['pack']}"], e["offset"]  # offsets were checked against the pack sizes
+            if packed.size != self._packs[e["pack"]]:
+                raise DataLossError(
+                    f"Checkpoint {self.path!r}: value {key!r} lies in pack {e['pack']}, which holds {packed.size} "
+                    f"bytes; the metadata says {self._packs[e['pack']]}. The checkpoint is corrupted."
+                )
             value = packed[start:start + nbytes].view(dtype).reshape(shape)
             host = value
         else:

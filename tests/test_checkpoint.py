@@ -648,3 +648,17 @@ def test_prng_key_arrays_are_refused_with_the_fix(tmp_path):
         with pytest.raises(TypeError, match=r"Cannot save 'rng/\.ATTRIBUTES/VARIABLE_VALUE': a PRNG key array "
                                             r"\(key<fry>\).*jax\.random\.key_data"):
             checkpoint.Checkpoint(rng=jax.random.key(0)).write(str(tmp_path / fmt), format=fmt)
+
+
+def test_a_pack_size_in_the_metadata_allocates_nothing(tmp_path):
+    # Metadata is data: a lying pack size must not become a huge allocation before the bytes are read.
+    path = checkpoint.Checkpoint(w=jnp.ones(3)).write(str(tmp_path / "c"))
+    meta_file = os.path.join(path, _orbax.META_FILE)
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta["packs"] = [1 << 50]
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    want = r"'w/\.ATTRIBUTES/VARIABLE_VALUE' lies in pack 0, which holds 64 bytes; the metadata says 1125899906842624"
+    with pytest.raises(checkpoint.DataLossError, match=want):
+        checkpoint.Checkpoint(w=jnp.zeros(3)).restore(path)
