@@ -147,6 +147,7 @@ class Signature:
         top = jax.tree_util.treedef_children(exported.in_tree)[0]  # ((captured, *args), {})
         self._arg_trees = jax.tree_util.treedef_children(top)[1:]
         self._arg_avals = exported.in_avals[len(captured):]
+        self._call = jax.jit(exported.call)  # compiled once per input shape, then a plain jit dispatch
 
     def __repr__(self) -> str:
         args = ", ".join(str(a.str_short()) for a in self._arg_avals)
@@ -163,16 +164,16 @@ class Signature:
                 raise TypeError(f"{what}: argument {i} has structure {found}, expected {tree}.")
             leaves.extend(jax.tree.leaves(arg))
         for j, (x, aval) in enumerate(zip(leaves, self._arg_avals, strict=True)):
-            x = jnp.asarray(x)
-            fits = x.ndim == len(aval.shape) and all(
-                jax.export.is_symbolic_dim(d) or d == n for d, n in zip(aval.shape, x.shape, strict=True))
-            if x.dtype != aval.dtype or not fits:
-                expected, got = aval.str_short(), f"{x.dtype.name}[{','.join(map(str, x.shape))}]"
-                err = TypeError if x.dtype != aval.dtype else ValueError
-                raise err(f"{what}: input {j} expects {expected}, got {got}. Pass arrays of that dtype and shape "
-                          "(symbolic dimensions accept any size).")
-        captured = [c.value if isinstance(c, Variable) else c for c in self._captured]
-        return self.exported.call(captured, *args)
+            shape, dtype = (x.shape, x.dtype) if hasattr(x, "dtype") and hasattr(x, "shape") else (
+                np.shape(x), jnp.asarray(x).dtype)
+            fits = len(shape) == len(aval.shape) and all(
+                jax.export.is_symbolic_dim(d) or d == n for d, n in zip(aval.shape, shape, strict=True))
+            if dtype != aval.dtype or not fits:
+                expected, got = aval.str_short(), f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+                raise (TypeError if dtype != aval.dtype else ValueError)(
+                    f"{what}: input {j} expects {expected}, got {got}. Pass arrays of that dtype and shape "
+                    "(symbolic dimensions accept any size).")
+        return self._call([c.value if isinstance(c, Variable) else c for c in self._captured], *args)
 
 
 def export(directory: str | os.PathLike, root: Any,
@@ -257,27 +258,24 @@ def _describe_value(out: pb.SavedObject, s: _graph.Saveable, path: str) -> None:
     v.synchronization, v.aggregation = int(var.synchronization), int(var.aggregation)
 
 
-def _describe_container(out: pb.SavedObject, obj: Any) -> None:
-    identifier = _IDENTIFIER_OF.get(type(obj)) or _WRAPPERS.get(type(obj), _GENERIC)
-    out.user_object.identifier = identifier
-    out.user_object.metadata = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    regs = _REVIVED.get(identifier)
-    if regs:
-        r = regs[0]
-        out.user_object.version.CopyFrom(VersionDef(producer=r.version, min_consumer=r.min_consumer_version,
-                                                       bad_consumers=r.bad_consumers))
-    else:
-        out.user_object.version.CopyFrom(VersionDef(producer=1, min_consumer=1))
+def _describe_container(out: pb.SavedObject, obj: Any, identifier: str | None = None) -> None:
+    uo = out.user_object
+    uo.identifier = identifier or _IDENTIFIER_OF.get(type(obj)) or _WRAPPERS.get(type(obj), _GENERIC)
+    if obj is not None:
+        uo.metadata = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    r = _REVIVED.get(uo.identifier, [None])[0]
+    uo.version.CopyFrom(VersionDef(producer=r.version, min_consumer=r.min_consumer_version,
+                                   bad_consumers=r.bad_consumers) if r else VersionDef(producer=1, min_consumer=1))
 
 
-def _child(saved: pb.SavedObjectGraph, node: int, name: str) -> int | None:
-    return next((r.node_id for r in saved.nodes[node].children if r.local_name == name), None)
+def _child(saved: pb.SavedObjectGraph, node: int | None, name: str) -> int | None:
+    return None if node is None else next((r.node_id for r in saved.nodes[node].children if r.local_name == name), None)
 
 
 def _node_at(saved: pb.SavedObjectGraph, names: list[str]) -> int | None:
     node: int | None = 0
     for name in names:
-        node = _child(saved, node, name) if node is not None else None
+        node = _child(saved, node, name)
     return node
 
 
@@ -317,14 +315,11 @@ def _add_assets(definition: pb.ExportDef, saved: pb.SavedObjectGraph, root: Any,
 def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) -> None:
     if not signatures:
         return
-    node_of_rid = {}
-    for s in graph.saveables:
-        var = _graph.as_variable(s.obj)
-        if var is not None:
-            node_of_rid[var.resource_id] = _node_at_path(graph, s.key)
+    node_of_path = {p: i for i, p in enumerate(graph.paths)}
+    node_of_rid = {var.resource_id: node_of_path[s.key.split("/.ATTRIBUTES/")[0]]
+                   for s in graph.saveables if (var := _graph.as_variable(s.obj)) is not None}
     sig_map = len(saved.nodes)
-    saved.nodes.add().user_object.identifier = _SIGNATURE_MAP
-    saved.nodes[sig_map].user_object.version.CopyFrom(VersionDef(producer=1, min_consumer=1))
+    _describe_container(saved.nodes.add(), None, _SIGNATURE_MAP)
     saved.nodes[0].children.add(node_id=sig_map, local_name=SIGNATURES)
     is_leaf = lambda x: _graph.as_variable(x) is not None or isinstance(x, Asset)
     flat, treedef = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_leaf)
@@ -342,30 +337,19 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
             leaf_nodes.append(node_of_rid.get(var.resource_id) if var is not None else _node_at(
                 saved, [_graph._key_name(k) for k in path]) if isinstance(leaf, (jax.Array, np.ndarray)) else None)
         arg_specs = jax.tree.map(_spec, tuple(example_args))
-        for attempt in range(2):  # the first traces to find the inputs the function reads; TF captures only those
-            bound = list(dict.fromkeys(n for n in leaf_nodes if n is not None))  # node ids, in input order
-            slots = [None if n is None else bound.index(n) for n in leaf_nodes]
-            first = {n: leaf for (_, leaf), n in reversed(list(zip(flat, leaf_nodes, strict=True)))}
-            specs = [_spec(first[n]) for n in bound]
-
-            def flat_fn(captured, *args, fn=fn, slots=slots):
-                leaves = [_feed(leaf, None if k is None else captured[k]) for (_, leaf), k in zip(flat, slots,
-                                                                                                  strict=True)]
-                out = fn(treedef.unflatten(leaves), *args)
-                return jax.tree.map(lambda x: _feed(x, None), out, is_leaf=is_leaf)  # Variables out as their values
-
-            try:
-                if attempt == 0:
-                    jaxpr = jax.make_jaxpr(flat_fn)(specs, *arg_specs).jaxpr
-                    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
-                    used |= {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-                    unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
-                    leaf_nodes = [None if n in unused else n for n in leaf_nodes]
-                else:
-                    exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
-            except Exception as e:
-                e.add_note(f"while exporting signature {name!r} with jax.export")
-                raise
+        try:
+            # A first trace finds the inputs fn reads: only those are bound, as TF captures only what it reads.
+            flat_fn, specs, bound = _inputs(fn, flat, treedef, leaf_nodes, is_leaf)
+            jaxpr = jax.make_jaxpr(flat_fn)(specs, *arg_specs).jaxpr
+            read = [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
+            used = {v for v in read if not isinstance(v, Literal)}
+            unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
+            flat_fn, specs, bound = _inputs(fn, flat, treedef, [None if n in unused else n for n in leaf_nodes],
+                                            is_leaf)
+            exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
+        except Exception as e:
+            e.add_note(f"while exporting signature {name!r} with jax.export")
+            raise
         fname = f"__inference_{re.sub(r'[^A-Za-z0-9_]', '_', name)}_{i}"
         data = exported.serialize()
         os.makedirs(os.path.join(tmp, "functions"), exist_ok=True)
@@ -376,10 +360,23 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
         cf.bound_inputs.extend(bound)
         cf.canonicalized_input_signature.CopyFrom(_structure((tuple(arg_specs), {})))
         cf.output_signature.CopyFrom(_structure(exported.out_tree.unflatten(exported.out_avals)))
-        node = len(saved.nodes)
+        saved.nodes[sig_map].children.add(node_id=len(saved.nodes), local_name=name)
         bare = saved.nodes.add().bare_concrete_function
         bare.concrete_function_name, bare.allowed_positional_arguments = fname, len(example_args)
-        saved.nodes[sig_map].children.add(node_id=node, local_name=name)
+
+
+def _inputs(fn, flat, treedef, leaf_nodes, is_leaf):
+    """``flat_fn(captured, *args)``: fn on the root rebuilt with the captured inputs; their specs and nodes."""
+    bound = list(dict.fromkeys(n for n in leaf_nodes if n is not None))  # node ids, in input order
+    slots = [None if n is None else bound.index(n) for n in leaf_nodes]
+    first = {n: leaf for (_, leaf), n in reversed(list(zip(flat, leaf_nodes, strict=True)))}
+
+    def flat_fn(captured, *args):
+        leaves = [_feed(leaf, None if k is None else captured[k]) for (_, leaf), k in zip(flat, slots, strict=True)]
+        out = fn(treedef.unflatten(leaves), *args)
+        return jax.tree.map(lambda x: _feed(x, None), out, is_leaf=is_leaf)  # Variables out as their values
+
+    return flat_fn, [_spec(first[n]) for n in bound], bound
 
 
 def _feed(leaf: Any, value: Any) -> Any:
@@ -388,10 +385,6 @@ def _feed(leaf: Any, value: Any) -> Any:
     if var is not None:
         return var.value if value is None else _graph.rewrap(leaf, var._with_value(value))
     return leaf if value is None else value
-
-
-def _node_at_path(graph: _graph.Graph, key: str) -> int:
-    return graph.paths.index(key.split("/.ATTRIBUTES/")[0])
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
@@ -461,7 +454,11 @@ def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> R
         raise ValueError(f"load: {directory!r} has export format version {v.producer} for readers of version >= "
                          f"{v.min_consumer} except {list(v.bad_consumers)}; this reader is version {_VERSION}. "
                          "Upgrade varstate to load it.")
-    return _Loader(directory, definition, registry or Registry()).root()
+    loader = _Loader(directory, definition, registry or Registry())
+    try:
+        return loader.root()
+    finally:
+        loader.reader.close()
 
 
 class _Loader:

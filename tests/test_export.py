@@ -347,3 +347,16 @@ def test_outputs_may_be_variables_and_unread_inputs_are_not_bound(tmp_path):
     assert [len(f.bound_inputs) for f in fn.values()] == [1]
     out = checkpoint.load(path).signatures["step"](jnp.array([0.5, 2.0]))
     np.testing.assert_array_equal(out, [0.5, -1.0])
+
+
+def test_sharded_variables_and_several_platforms(tmp_path):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    table = varstate.Variable(jax.device_put(jnp.arange(16.0).reshape(8, 2),
+                                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))))
+    lookup = lambda r, ids: r["table"].value[ids]
+    path = checkpoint.export(tmp_path / "m", {"table": table}, {"lookup": (lookup, (jnp.zeros(3, jnp.int32),))},
+                             platforms=("cpu", "cuda", "tpu"))
+    sig = checkpoint.load(path).signatures["lookup"]
+    assert sig.exported.platforms == ("cpu", "cuda", "tpu") and sig.exported.nr_devices == 1
+    ids = jnp.array([7, 0, 3])
+    np.testing.assert_array_equal(sig(ids), lookup({"table": table}, ids))
