@@ -494,18 +494,9 @@ class _Loader:
         self.building.add(i)
         proto = self.graph.nodes[i]
         kind = proto.WhichOneof("kind")
-        if kind == "variable":
-            obj = self.variable(i, proto.variable)
-        elif kind == "constant":
-            obj = self.constant(i, proto.constant.operation)
-        elif kind == "asset":
-            obj = self.asset(i, proto.asset.asset_file_def_index)
-        elif kind == "bare_concrete_function":
-            obj = self.signature(i, proto.bare_concrete_function)
-        elif kind == "user_object":
-            obj = self.user_object(i, proto.user_object)
-        else:
+        if kind not in ("variable", "constant", "asset", "bare_concrete_function", "user_object"):
             raise self.fail(i, f"has kind {kind!r}, which load does not support")
+        obj = getattr(self, kind)(i, getattr(proto, kind))
         self.building.discard(i)
         self.memo[i] = obj
         return obj
@@ -530,14 +521,16 @@ class _Loader:
         except (ValueError, TypeError) as e:
             raise self.fail(i, str(e)) from None
 
-    def constant(self, i: int, key: str) -> Any:
+    def constant(self, i: int, const: pb.SavedConstant) -> Any:
+        key = const.operation
         value = self.value(i, key)
         if key.endswith(f"/.ATTRIBUTES/{_graph.PY_STATE}"):  # a Python scalar
             item = value.item()
             return item.decode() if isinstance(item, bytes) else item
         return jnp.asarray(value)
 
-    def asset(self, i: int, index: int) -> Asset:
+    def asset(self, i: int, asset: pb.SavedAsset) -> Asset:
+        index = asset.asset_file_def_index
         files = self.definition.asset_file_def
         if not 0 <= index < len(files):
             raise self.fail(i, f"asset index {index} is outside the {len(files)} asset files")
@@ -559,7 +552,11 @@ class _Loader:
         regs = _REVIVED.get(uo.identifier, [])
         for reg in regs:
             if reg.accepts(uo.version):
-                return reg.from_children(kids)
+                try:
+                    return reg.from_children(kids)
+                except (TypeError, ValueError) as e:
+                    e.add_note(f"while reviving {self.names[i]} as {uo.identifier!r} version {reg.version}")
+                    raise
         if uo.identifier != _GENERIC:
             why = (f"no registered version accepts version {uo.version.producer} (min_consumer "
                    f"{uo.version.min_consumer}, bad_consumers {list(uo.version.bad_consumers)}; registered: "
@@ -568,7 +565,7 @@ class _Loader:
                          uo.metadata, uo.identifier, why)
         return RevivedObject(uo.identifier, kids)
 
-    def signature(self, i: int, bare: pb.SavedBareConcreteFunction) -> Signature:
+    def bare_concrete_function(self, i: int, bare: pb.SavedBareConcreteFunction) -> Signature:
         name = bare.concrete_function_name
         if name not in self.graph.concrete_functions or not _FUNCTION_NAME.fullmatch(name):
             raise self.fail(i, f"names concrete function {name!r}, which the export does not have")
@@ -583,8 +580,7 @@ class _Loader:
         except (ValueError, TypeError, IndexError, struct.error) as e:
             raise CheckpointFormatError(f"{path}: jax.export cannot deserialize it ({e}).") from e
         captured = [self.node(n, i) for n in self.graph.concrete_functions[name].bound_inputs]
-        if jax.tree_util.treedef_children(jax.tree_util.treedef_children(exported.in_tree)[0])[0].num_leaves != len(
-                captured):
+        if exported.in_tree.children()[0].children()[0].num_leaves != len(captured):  # ((captured, *args), {})
             raise self.fail(i, f"function {name!r} takes a different number of captured inputs than its "
                                f"{len(captured)} bound_inputs")
         label = self.names[i].replace("(root).", "").replace(f"{SIGNATURES}.", "", 1)

@@ -360,3 +360,29 @@ def test_sharded_variables_and_several_platforms(tmp_path):
     assert sig.exported.platforms == ("cpu", "cuda", "tpu") and sig.exported.nr_devices == 1
     ids = jnp.array([7, 0, 3])
     np.testing.assert_array_equal(sig(ids), lookup({"table": table}, ids))
+
+
+def test_load_refuses_values_that_disagree_with_the_graph(exported):
+    path, _ = exported
+    tied = lambda d: d.object_graph.nodes[next(r.node_id for r in d.object_graph.nodes[0].children
+                                               if r.local_name == "tied")]
+    _edit(path, lambda d: tied(d).variable.shape.dim[0].__setattr__("size", 4))
+    wrong = r"node \d+ \(\(root\)\.tied\): stored value is float32\[3, 2\], the graph says float32\[4, 2\]"
+    with pytest.raises(checkpoint.CheckpointFormatError, match=wrong):
+        checkpoint.load(path)
+    _edit(path, lambda d: tied(d).ClearField("variable"))
+    with pytest.raises(checkpoint.CheckpointFormatError, match=r"\(\(root\)\.tied\): has kind None, which load"):
+        checkpoint.load(path)
+    _edit(path, lambda d: tied(d).constant.__setattr__("operation", "no/such/key"))
+    with pytest.raises(checkpoint.CheckpointFormatError, match="its value 'no/such/key' is missing from"):
+        checkpoint.load(path)
+
+
+def test_a_failing_revival_names_the_object(tmp_path, revived):
+    path = _export_block(tmp_path)
+    _export._REVIVED.clear()
+    _export._IDENTIFIER_OF.clear()
+    checkpoint.register_revived_type("test.Block", Block, from_children=lambda c: Block(**c, extra=1))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'extra'") as info:
+        checkpoint.load(path)
+    assert info.value.__notes__ == ["while reviving (root).block as 'test.Block' version 1"]
