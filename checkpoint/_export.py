@@ -221,8 +221,9 @@ def export(directory: str | os.PathLike, root: Any,
         out = saved.nodes.add()
         out.children.extend(node.children)
         out.slot_variables.extend(node.slot_variables)
+        kids_of = dict(_graph.children(objs[i])) if node.children else {}
         for ref in node.children:
-            objs.setdefault(ref.node_id, dict(_graph.children(objs[i]))[ref.local_name])
+            objs.setdefault(ref.node_id, kids_of[ref.local_name])
         if node.attributes:
             _describe_value(out, by_key[node.attributes[0].checkpoint_key], graph.paths[i])
         else:
@@ -368,7 +369,8 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
 def _inputs(fn, flat, treedef, leaf_nodes, is_leaf):
     """``flat_fn(captured, *args)``: fn on the root rebuilt with the captured inputs; their specs and nodes."""
     bound = list(dict.fromkeys(n for n in leaf_nodes if n is not None))  # node ids, in input order
-    slots = [None if n is None else bound.index(n) for n in leaf_nodes]
+    position = {n: k for k, n in enumerate(bound)}
+    slots = [position.get(n) for n in leaf_nodes]
     first = {n: leaf for (_, leaf), n in reversed(list(zip(flat, leaf_nodes, strict=True)))}
 
     def flat_fn(captured, *args):
