@@ -246,11 +246,18 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
     from checkpoint import _orbax
     from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
+    values: dict[str, Any] = dict(tensors)
     for key, value in tensors.items():
         if _is_str(value.dtype):
-            raise _UsageError(f"{key!r} is a string tensor, which the orbax format cannot hold; convert --to tf")
+            # A scalar string (a Python str saved as TF's py_state) is kept as a Python str value.
+            try:
+                values[key] = bytes(value.item()).decode() if value.shape == () else None
+            except UnicodeDecodeError:
+                values[key] = None
+            if values[key] is None:
+                raise _UsageError(f"{key!r} is a string tensor, which the orbax format cannot hold; convert --to tf")
     # A name-based checkpoint keeps its names as keys, with an empty object graph.
-    tree, meta = _orbax.layout(tensors, graph if graph is not None else TrackableObjectGraph())
+    tree, meta = _orbax.layout(values, graph if graph is not None else TrackableObjectGraph())
     checkpointer = _orbax.checkpointer()
     try:
         checkpointer.save(os.path.abspath(path), args=_orbax.save_args(tree, meta))

@@ -366,3 +366,24 @@ def test_rich_tree_for_an_object_graph(capsys, monkeypatch):
     code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "ours_checkpoint"))
     assert code == 0
     assert "├── model" in out and "slot 'm' of model/kernel" in out
+
+
+def test_convert_keeps_python_strings_of_our_own_checkpoints(capsys, tmp_path):
+    # A Python str is stored as a scalar string (TF's py_state); orbax holds it as a Python value.
+    import jax.numpy as jnp
+
+    import checkpoint
+    import varstate
+
+    def model(name, w):
+        return {"w": varstate.Variable(jnp.full(2, w), registry=varstate.Registry()), "name": name, "n": 3}
+
+    src = checkpoint.Checkpoint(m=model("run-1 é", 1.0)).write(str(tmp_path / "src"))
+    via_tf, back = str(tmp_path / "tf" / "ckpt"), str(tmp_path / "back")
+    for a, b, to in ((src, str(tmp_path / "copy"), "orbax"), (src, via_tf, "tf"), (via_tf, back, "orbax")):
+        code, out, err = run(capsys, "convert", a, b, "--to", to)
+        assert code == 0 and "verified by reading it back" in out, err
+    for path in (str(tmp_path / "copy"), via_tf, back):
+        got = checkpoint.Checkpoint(m=model("", 0.0)).restore(path).assert_consumed().m
+        assert got["name"] == "run-1 é" and got["n"] == 3 and got["w"].value.tolist() == [1.0, 1.0]
+        assert run(capsys, "diff", src, path)[0] == 0
