@@ -52,6 +52,11 @@ def _tf_tensors(values: dict[str, Any], proto) -> dict[str, Any]:
         elif isinstance(v, str):
             tensors[key] = v.encode()
         elif isinstance(v, (bool, int, float)):
+            if type(v) is int and not -(2**63) <= v < 2**63:
+                raise OverflowError(
+                    f"Cannot save {key!r} in the TF format: the Python int {v} does not fit in int64. Save with "
+                    "format='orbax' (any int), or store the number as a string."
+                )
             tensors[key] = np.asarray(v, np.int64 if type(v) is int else None)
         else:
             if isinstance(v, jax.ShapeDtypeStruct):

@@ -662,3 +662,12 @@ def test_a_pack_size_in_the_metadata_allocates_nothing(tmp_path):
     want = r"'w/\.ATTRIBUTES/VARIABLE_VALUE' lies in pack 0, which holds 64 bytes; the metadata says 1125899906842624"
     with pytest.raises(checkpoint.DataLossError, match=want):
         checkpoint.Checkpoint(w=jnp.zeros(3)).restore(path)
+
+
+def test_python_ints_beyond_int64_in_the_tf_format(tmp_path):
+    want = (r"Cannot save 'cfg/seed/\.ATTRIBUTES/py_state' in the TF format: the Python int 1180591620717411303424 "
+            r"does not fit in int64\. .*format='orbax'")
+    with pytest.raises(OverflowError, match=want):
+        checkpoint.Checkpoint(cfg={"seed": 2 ** 70}).write(str(tmp_path / "tf"), format="tf")
+    path = checkpoint.Checkpoint(cfg={"seed": 2 ** 70, "low": -2 ** 63}).write(str(tmp_path / "orbax"))
+    assert checkpoint.Checkpoint(cfg={"seed": 0, "low": 0}).restore(path).cfg == {"seed": 2 ** 70, "low": -2 ** 63}
