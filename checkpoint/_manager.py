@@ -30,13 +30,9 @@ def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None,
     directory = os.path.abspath(directory)
     state = read_checkpoint_state(directory) or CheckpointState()
     now = time.time()
-    if kept is None:
-        paths = [p for p in state.all_model_checkpoint_paths if p != _relative(directory, path)]
-        stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps, strict=False))
-        kept = [*paths, _relative(directory, path)]
-    else:
-        stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps, strict=False))
-        kept = [_relative(directory, p) for p in kept]
+    stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps, strict=False))
+    # Without a manager's list, only `path` (TF's Checkpoint.save), so no manager later adopts earlier saves.
+    kept = [_relative(directory, p) for p in (kept if kept is not None else [path])]
     write_checkpoint_state(
         directory, _relative(directory, path), kept, [stamps.get(p, now) for p in kept],
         now if preserved else state.last_preserved_timestamp,

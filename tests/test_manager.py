@@ -116,16 +116,24 @@ def test_manager_errors(tmp_path):
         checkpoint.CheckpointManager(str(tmp_path), checkpoint_name="a/b")
 
 
-def test_record_checkpoint_appends_like_tf_checkpoint_save(tmp_path):
+def test_checkpoint_save_lists_only_what_it_wrote_like_tf(tmp_path):
+    # TF's Checkpoint.save records all_model_checkpoint_paths=[file_path]: a CheckpointManager opened on the
+    # directory later manages (and may delete) that one only, never the earlier saves.
     ckpt = checkpoint.Checkpoint(m=model(0))
     first, second = ckpt.save(str(tmp_path / "ckpt")), ckpt.save(str(tmp_path / "ckpt"))
     state = state_file(str(tmp_path))
     assert state.model_checkpoint_path == "ckpt-2"
-    assert list(state.all_model_checkpoint_paths) == ["ckpt-1", "ckpt-2"]
+    assert list(state.all_model_checkpoint_paths) == ["ckpt-2"]
     elsewhere = tmp_path.parent / "elsewhere" / "ckpt-9"
     _manager._record_checkpoint(str(tmp_path), str(elsewhere))
     assert state_file(str(tmp_path)).model_checkpoint_path == str(elsewhere)  # outside: absolute
     assert os.path.isdir(first) and os.path.isdir(second)
+    _manager._record_checkpoint(str(tmp_path), second)
+    mgr = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=1)
+    assert mgr.checkpoints == [second]
+    mgr.save(3, m=model(3))
+    assert os.path.isdir(first) and not os.path.exists(second) and mgr.checkpoints == [str(tmp_path / "ckpt-3")]
+    mgr.close()
 
 
 def test_saving_a_step_again_unlists_it_while_it_is_rewritten(tmp_path, monkeypatch):
