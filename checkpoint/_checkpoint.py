@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from checkpoint import _graph, _orbax
+from checkpoint._by_name import _convert
 from checkpoint._graph import ARRAY, CONTAINER, OPTIMIZER, PARTITIONED, PYTHON, VARIABLE
 from varstate._partition import PartitionedVariable
 from varstate._variable import Variable
@@ -380,9 +381,10 @@ class LoadStatus:
         reader = self._state.reader
         requests: dict[str, Any] = {}
         for cell in cells:
-            _check(reader, cell)
             target = None
-            if cell.kind == VARIABLE and cell.info is None:
+            if _check(reader, cell):
+                pass  # narrowed to JAX's 32-bit type on the host, where its range is checked
+            elif cell.kind == VARIABLE and cell.info is None:
                 target = _target_sharding(_graph.as_variable(cell.template).value)
             elif cell.kind == ARRAY and not isinstance(cell.template, (np.ndarray, np.generic)):
                 target = _target_sharding(cell.template)
@@ -478,21 +480,25 @@ def _expected(cell: _Cell) -> tuple[tuple[int, ...], np.dtype] | None:
     return tuple(v.shape), np.dtype(v.dtype)
 
 
-def _check(reader: Any, cell: _Cell) -> None:
+def _check(reader: Any, cell: _Cell) -> bool:
+    """Checks shape and dtype before anything is loaded; True if a 64-bit value goes into JAX's 32-bit type."""
     want = _expected(cell)
     if want is None:
-        return
+        return False
     shape, dtype = tuple(reader.shape(cell.key)), np.dtype(reader.dtype(cell.key))
     if shape != want[0]:
         raise ValueError(
             f"Cannot restore {cell.label}: the checkpoint value {cell.key!r} has shape {shape}, the object "
             f"has shape {want[0]}. Build the object with the saved shape or leave it out of the restore."
         )
-    if dtype != want[1]:
+    # With JAX's 64-bit types off, a 64-bit value (TF's int64 global_step) fits the type JAX made, as in
+    # restore_by_name; its range is checked when it is converted.
+    if dtype != want[1] and jax.dtypes.canonicalize_dtype(dtype) != want[1]:
         raise TypeError(
             f"Cannot restore {cell.label}: the checkpoint value {cell.key!r} has dtype {dtype}, the object "
             f"has dtype {want[1]}. Build the object with dtype {dtype} or cast after restoring."
         )
+    return dtype != want[1]
 
 
 def _place(value: Any, like: Any) -> jax.Array:
@@ -504,6 +510,9 @@ def _place(value: Any, like: Any) -> jax.Array:
 
 def _finish(cell: _Cell, value: Any) -> Any:
     t = cell.template
+    want = _expected(cell)
+    if want is not None and np.dtype(value.dtype) != want[1]:  # allowed by _check: JAX's 32-bit type
+        value = _convert(np.asarray(value), want[1], cell.label, cell.key)
     if cell.kind == PYTHON:
         value = np.asarray(value)
         item = value.item() if value.shape == () else value

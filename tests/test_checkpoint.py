@@ -671,3 +671,28 @@ def test_python_ints_beyond_int64_in_the_tf_format(tmp_path):
         checkpoint.Checkpoint(cfg={"seed": 2 ** 70}).write(str(tmp_path / "tf"), format="tf")
     path = checkpoint.Checkpoint(cfg={"seed": 2 ** 70, "low": -2 ** 63}).write(str(tmp_path / "orbax"))
     assert checkpoint.Checkpoint(cfg={"seed": 0, "low": 0}).restore(path).cfg == {"seed": 2 ** 70, "low": -2 ** 63}
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_64_bit_values_restore_into_jaxs_32_bit_variables(tmp_path, fmt):
+    # TF checkpoints hold int64 variables (global_step, a Keras optimizer's iterations); with JAX's 64-bit types
+    # off their Variables are int32, as in restore_by_name. Values that do not fit are refused, never wrapped.
+    assert not jax.config.jax_enable_x64
+    big = np.arange(300_000, dtype=np.int64)  # stored as its own array, loaded straight onto a sharding
+    saved = {"step": np.int64(7), "x": np.float64(0.1), "big": big, "far": np.array([1, 2 ** 40], np.int64)}
+    path = checkpoint.Checkpoint(**saved).write(str(tmp_path / "c"), format=fmt)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    template = {"step": varstate.Variable(jnp.int32(0)), "x": varstate.Variable(jnp.float32(0)),
+                "big": varstate.uninitialized((300_000,), jnp.int32, sharding=sharded)}
+    got = checkpoint.Checkpoint(**template).restore(path).expect_partial().roots
+    assert got["step"].value.dtype == jnp.int32 and int(got["step"].value) == 7
+    assert got["x"].value.dtype == jnp.float32 and float(got["x"].value) == np.float32(0.1)
+    assert got["big"].sharding == sharded and got["big"].value.dtype == jnp.int32
+    np.testing.assert_array_equal(got["big"].value, big)
+    want = (r"'far/\.ATTRIBUTES/VARIABLE_VALUE' \(int64\) holds 1099511627776, out of range for variable "
+            r"'\(root\)\.far' \(int32; JAX's 64-bit types are disabled\)")
+    with pytest.raises(ValueError, match=want):
+        checkpoint.Checkpoint(far=varstate.Variable(jnp.zeros(2, jnp.int32))).restore(path)
+    with pytest.raises(TypeError, match=r"has dtype int64, the object has dtype int16"):
+        checkpoint.Checkpoint(step=varstate.Variable(jnp.int16(0))).restore(path)
