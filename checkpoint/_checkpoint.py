@@ -29,16 +29,26 @@ def _values(graph: _graph.Graph) -> dict[str, Any]:
             for v in shards:
                 if v.save_slice_info is None:
                     raise ValueError(f"Cannot save {s.key!r}: shard {v.name!r} has no SaveSliceInfo.")
+                _initialized(s.key, v.value)
             out[s.key] = [(v.save_slice_info, v.value) for v in shards]
         else:
             var = _graph.as_variable(obj)
-            out[s.key] = var.value if var is not None else obj
+            out[s.key] = _initialized(s.key, var.value if var is not None else obj)
             if isinstance(out[s.key], jax.Array) and jax.dtypes.issubdtype(out[s.key].dtype, jax.dtypes.prng_key):
                 raise TypeError(
                     f"Cannot save {s.key!r}: a PRNG key array ({out[s.key].dtype}) has no storable dtype. Save "
                     "jax.random.key_data(key) and rebuild the key with jax.random.wrap_key_data after restoring."
                 )
     return out
+
+
+def _initialized(key: str, value: Any) -> Any:
+    if isinstance(value, jax.ShapeDtypeStruct):
+        raise ValueError(
+            f"Cannot save {key!r}: the value is uninitialized (shape {value.shape}, {value.dtype}). "
+            "Initialize it (varstate.zero_initializer, assign, or restore) before saving."
+        )
+    return value
 
 
 def _tf_tensors(values: dict[str, Any], proto) -> dict[str, Any]:
@@ -60,8 +70,6 @@ def _tf_tensors(values: dict[str, Any], proto) -> dict[str, Any]:
                 )
             tensors[key] = np.asarray(v, np.int64 if type(v) is int else None)
         else:
-            if isinstance(v, jax.ShapeDtypeStruct):
-                raise ValueError(f"Cannot save {key!r}: the value is uninitialized.")
             tensors[key] = np.asarray(jax.device_get(v))
     tensors[_graph.OBJECT_GRAPH_KEY] = proto.SerializeToString()
     return tensors

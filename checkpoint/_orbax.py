@@ -71,11 +71,6 @@ class _Layout:
         self.entries: dict[str, dict] = {}
 
     def add_array(self, key: str, value: Any, **extra: Any) -> dict:
-        if isinstance(value, jax.ShapeDtypeStruct):
-            raise ValueError(
-                f"Cannot save {key!r}: the value is uninitialized (shape {value.shape}, {value.dtype}). "
-                "Initialize it (varstate.zero_initializer, assign, or restore) before saving."
-            )
         dtype = np.dtype(value.dtype)
         if dtype.name not in _DTYPES:
             raise TypeError(f"Cannot save {key!r}: dtype {dtype} is not supported by the orbax format.")

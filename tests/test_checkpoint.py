@@ -696,3 +696,13 @@ def test_64_bit_values_restore_into_jaxs_32_bit_variables(tmp_path, fmt):
         checkpoint.Checkpoint(far=varstate.Variable(jnp.zeros(2, jnp.int32))).restore(path)
     with pytest.raises(TypeError, match=r"has dtype int64, the object has dtype int16"):
         checkpoint.Checkpoint(step=varstate.Variable(jnp.int16(0))).restore(path)
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_uninitialized_values_cannot_be_saved_in_either_format(tmp_path, fmt):
+    shards = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                          varstate.PartitionedVariable(jnp.zeros((6, 2)), name="emb", num_shards=2))
+    for tree, key in [({"u": varstate.uninitialized((2,), jnp.float32)}, "m/u"), ({"emb": shards}, "m/emb")]:
+        with pytest.raises(ValueError, match=rf"Cannot save '{key}/\.ATTRIBUTES/VARIABLE_VALUE': the value is "
+                                             r"uninitialized \(shape \(\d,( \d)?\), float32\)\. Initialize it"):
+            checkpoint.Checkpoint(m=tree).write(str(tmp_path / "c"), format=fmt)
