@@ -1,5 +1,6 @@
 """Variable: pytree identity, values, new versions, operators and bad input."""
 
+import itertools
 import operator
 
 import jax
@@ -140,7 +141,8 @@ def test_operators_and_array_protocol(reg):
     for op in (operator.add, operator.sub, operator.mul, operator.truediv, operator.pow,
                operator.lt, operator.ge, operator.eq, operator.ne):
         np.testing.assert_array_equal(op(v, x), op(np.array([1.0, 2.0, 3.0]), x))
-        np.testing.assert_array_equal(op(x, v), op(x, np.array([1.0, 2.0, 3.0])))
+        # Either side, the arithmetic is the variable's (float32), as with a jax.Array or a TF variable.
+        np.testing.assert_array_equal(op(x, v), op(x.astype(np.float32), np.array([1.0, 2.0, 3.0], np.float32)))
     np.testing.assert_array_equal(-v, [-1.0, -2.0, -3.0])
     assert float(v @ x) == 12.0
     assert v[1].item() == 2.0 and len(v) == 3
@@ -241,3 +243,35 @@ def test_read_of_uninitialized_variable(reg):
         u.read_value()
     with pytest.raises(ValueError, match="is uninitialized"):
         u + 1.0
+
+
+def test_iteration_stops_at_the_first_dimension(reg):
+    # jax clamps out-of-range integer indices, so iteration through __getitem__ never ended.
+    v = Variable(jnp.arange(6.0).reshape(3, 2), name="rows", registry=reg)
+    rows = list(itertools.islice(v, 10))  # bounded: the bug was an endless iteration
+    assert len(rows) == 3 and [r.tolist() for r in rows] == np.arange(6.0).reshape(3, 2).tolist()
+    a, b = Variable(jnp.array([1.0, 2.0]), registry=reg)
+    assert (float(a), float(b)) == (1.0, 2.0)
+    with pytest.raises(TypeError, match="iteration over a 0-d array"):
+        iter(Variable(1.0, registry=reg))
+    assert jax.jit(lambda v: sum(v))(v).tolist() == [6.0, 9.0]  # iterates a traced value too
+
+
+def test_numpy_array_on_the_left_defers_to_the_variable(reg):
+    # As for a jax.Array: numpy defers, so the result is a jax value, and it works under jit.
+    v = Variable(jnp.arange(3.0), name="v", registry=reg)
+    out = np.ones(3) * v + np.full(3, 2.0)
+    assert isinstance(out, jax.Array) and out.tolist() == [2.0, 3.0, 4.0]
+    assert jax.jit(lambda v: np.ones(3, np.float32) * v)(v).tolist() == [0.0, 1.0, 2.0]
+    assert (np.array([1.0, 1.0, 1.0]) < v).tolist() == [False, False, True]
+
+
+def test_scatter_under_jit_drops_negative_indices(reg):
+    # Concrete negative indices raise IndexError; traced ones cannot be checked and are dropped
+    # like every out-of-range row (TF's kernel refuses them), never wrapped around to the last row.
+    v = Variable(jnp.zeros(3), name="v", registry=reg)
+    s = IndexedSlices(jnp.ones(2), jnp.array([-1, 0]), (3,))
+    for op in ("scatter_add", "scatter_sub", "scatter_update"):
+        out = jax.jit(lambda v, s, op=op: getattr(v, op)(s))(v, s)
+        expected = [1.0 if op != "scatter_sub" else -1.0, 0.0, 0.0]
+        assert out.value.tolist() == expected, op

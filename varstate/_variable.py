@@ -157,6 +157,8 @@ class Variable:
     __slots__ = ("_handle", "_value")
     # Elementwise __eq__ makes variables unhashable, as in TF; use `ref()`.
     __hash__ = None  # type: ignore[assignment]
+    # Above numpy's: `np_array * v` calls our __rmul__ (a jax value, traceable) instead of __array__.
+    __array_priority__ = 100
 
     def __init__(
         self,
@@ -362,14 +364,14 @@ class Variable:
                     f"Variable {self.name!r}.{op}: index {bad} is out of range for a first "
                     f"dimension of size {self.shape[0]} (valid: 0..{self.shape[0] - 1})."
                 )
-        # Under tracing indices cannot be checked; out-of-range rows are dropped.
+        # Under tracing indices cannot be checked; out-of-range rows (negative ones too) are dropped.
         at = value.at[indices]
         if op == "scatter_update":
-            new = at.set(updates, mode="drop")
+            new = at.set(updates, mode="drop", wrap_negative_indices=False)
         elif op == "scatter_add":
-            new = at.add(updates, mode="drop")
+            new = at.add(updates, mode="drop", wrap_negative_indices=False)
         else:
-            new = at.add(-updates, mode="drop")
+            new = at.add(-updates, mode="drop", wrap_negative_indices=False)
         return _from_parts(new, self._handle)
 
     def scatter_add(self, sparse_delta: IndexedSlices) -> Variable:
@@ -391,6 +393,10 @@ class Variable:
 
     def __getitem__(self, idx: Any) -> Any:
         return self.read_value()[idx]
+
+    def __iter__(self) -> Any:
+        # Without it Python iterates through __getitem__, which jax clamps: it never stops.
+        return iter(self.read_value())
 
     def __len__(self) -> int:
         if not self.shape:
