@@ -332,7 +332,8 @@ class LoadStatus:
             cell = _Cell(obj, node.attributes[0].checkpoint_key, label, k)
             cells.append(cell)
             return cell
-        st.matched[node_id] = label
+        if not node.attributes:  # a saved value is not consumed by a container standing in its place
+            st.matched[node_id] = label
         ids = {r.local_name: r.node_id for r in node.children}
 
         def child(name, c):

@@ -706,3 +706,14 @@ def test_uninitialized_values_cannot_be_saved_in_either_format(tmp_path, fmt):
         with pytest.raises(ValueError, match=rf"Cannot save '{key}/\.ATTRIBUTES/VARIABLE_VALUE': the value is "
                                              r"uninitialized \(shape \(\d,( \d)?\), float32\)\. Initialize it"):
             checkpoint.Checkpoint(m=tree).write(str(tmp_path / "c"), format=fmt)
+
+
+def test_a_container_in_place_of_a_saved_value_leaves_it_unrestored(tmp_path):
+    # TF reports the saved value of an object that took no value; matching an (empty) container must not hide it.
+    saved = {"w": varstate.Variable(jnp.ones(2)), "b": jnp.ones(1)}
+    path = checkpoint.Checkpoint(model=saved).write(str(tmp_path / "c"))
+    status = checkpoint.Checkpoint(model={"w": {}, "b": jnp.zeros(1)}).restore(path)
+    status.assert_existing_objects_matched().expect_partial()
+    with pytest.raises(AssertionError, match=r"Unresolved object in checkpoint \(root\)\.model\.w: its value "
+                                             r"\(model/w/\.ATTRIBUTES/VARIABLE_VALUE\) was not restored"):
+        status.assert_consumed()
