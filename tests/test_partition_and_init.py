@@ -141,3 +141,20 @@ def test_convert_to_tensor_or_indexed_slices(reg):
     for bad, kind in (("text", "str"), (None, "NoneType"), ({"a": 1}, "dict"), (object(), "object")):
         with pytest.raises(TypeError, match=f"Cannot convert {kind}"):
             conv(bad)
+
+
+def test_partitioned_variable_in_a_name_scope_names_the_full_variable_with_it(reg):
+    # The shards get the scope (`scope/emb/part_0`); the full name in their SaveSliceInfo (what
+    # TF's name-based checkpoints and restore_by_name key on) must be `scope/emb`, as in TF.
+    with varstate.name_scope("scope"):
+        pv = PartitionedVariable(jnp.zeros((4, 2)), name="emb", num_shards=2, registry=reg)
+    assert [v.name for v in pv] == ["scope/emb/part_0", "scope/emb/part_1"]
+    assert pv.name == "scope/emb"
+    assert {v.save_slice_info.full_name for v in pv} == {"scope/emb"}
+
+
+def test_indexed_slices_to_dense_drops_negative_indices():
+    # TF densifies with unsorted_segment_sum, which drops negative ids; they must not wrap to the last row.
+    s = IndexedSlices(jnp.array([1.0, 2.0]), jnp.array([-1, 0]), (3,))
+    assert s.to_dense().tolist() == [2.0, 0.0, 0.0]
+    assert jax.jit(IndexedSlices.to_dense)(s).tolist() == [2.0, 0.0, 0.0]

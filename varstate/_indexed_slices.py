@@ -49,7 +49,8 @@ class IndexedSlices:
         if self.dense_shape is None:
             raise ValueError("IndexedSlices.to_dense: dense_shape is unknown; pass it to the constructor.")
         out = jnp.zeros(self.dense_shape, self.values.dtype)
-        return out.at[self.indices].add(self.values, mode="drop")
+        # Out-of-range rows, negative ones included, are dropped (TF's unsorted_segment_sum drops negatives).
+        return out.at[self.indices].add(self.values, mode="drop", wrap_negative_indices=False)
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from varstate._registry import _current_scope
 from varstate._variable import Variable
 
 
@@ -154,16 +155,18 @@ class PartitionedVariable:
                 f"may be split for shape {value.shape}."
             )
         full_shape = tuple(value.shape)
+        scope = _current_scope()  # the shards' names get it from Variable; the full name needs it too
+        full_name = f"{scope}/{name}" if scope else name
         shards = []
         for i, (offset, shape) in enumerate(_slices(full_shape, parts[axis], axis)):
             index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-            info = SaveSliceInfo(name, full_shape, tuple(offset), tuple(shape))
+            info = SaveSliceInfo(full_name, full_shape, tuple(offset), tuple(shape))
             shards.append(
                 Variable(value[index], name=f"{name}/part_{i}", trainable=trainable,
                          save_slice_info=info, registry=registry)
             )
         self._variables = tuple(shards)
-        self._name, self._shape, self._dtype, self._axis = name, full_shape, value.dtype, axis
+        self._name, self._shape, self._dtype, self._axis = full_name, full_shape, value.dtype, axis
 
     @classmethod
     def _from_shards(cls, shards: Iterable[Variable], meta: tuple) -> PartitionedVariable:
