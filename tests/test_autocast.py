@@ -1,5 +1,6 @@
 """AutoCastVariable and autocast: casting reads, storage dtype, pytree, grad, optimizers, errors."""
 
+import itertools
 import threading
 
 import jax
@@ -191,3 +192,12 @@ def test_optimizer_slots_of_wrapped_params_checkpoint_as_tf(tmp_path):
     status = checkpoint.Checkpoint(model=fresh, optimizer=opt.init(fresh)).restore(path).assert_consumed()
     m = status.optimizer.get_slot(status.model["k"].__varstate_variable__(), "m")
     np.testing.assert_array_equal(m.value, state.get_slot(params["k"].__varstate_variable__(), "m").value)
+
+
+def test_iterates_and_defers_to_numpy_like_its_variable():
+    w = varstate.AutoCastVariable(varstate.Variable(jnp.array([1.0, 2.0]), name="w"))
+    with varstate.autocast(jnp.bfloat16):
+        rows = list(itertools.islice(w, 5))  # bounded: jax clamps indices, so __getitem__ iteration never ended
+        assert [r.dtype for r in rows] == [jnp.bfloat16] * 2 and [float(r) for r in rows] == [1.0, 2.0]
+        out = jax.jit(lambda w: np.ones(2, np.float32) * w)(w)  # numpy on the left defers, traceable
+        assert out.dtype == jnp.float32 and out.tolist() == [1.0, 2.0]

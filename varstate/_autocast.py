@@ -98,6 +98,7 @@ class AutoCastVariable:
     __slots__ = ("_variable",)
     _should_act_as_resource_variable = True
     __hash__ = None  # type: ignore[assignment]  # elementwise __eq__, as Variable
+    __array_priority__ = 100  # numpy defers to our reflected operators, as for Variable
 
     def __init__(self, variable: Variable) -> None:
         if not isinstance(variable, Variable):
@@ -182,6 +183,9 @@ class AutoCastVariable:
 
     def __getitem__(self, idx: Any) -> Any:
         return self.read_value()[idx]
+
+    def __iter__(self) -> Any:
+        return iter(self.read_value())  # not through __getitem__: jax clamps, so that never stops
 
     def __len__(self) -> int:
         return len(self._variable)
