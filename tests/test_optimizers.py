@@ -493,3 +493,18 @@ def test_a_variable_at_two_places_shares_slots_and_gets_the_summed_gradient():
     v_out, v_embed = new_state.slots["v"]["out"], new_state.slots["v"]["embed"]
     assert v_out.handle is v_embed.handle
     np.testing.assert_array_equal(v_out.value, v_embed.value)
+
+
+@pytest.mark.parametrize("shape", [(8,), (8, 1), (8, 1, 1)])
+def test_sparse_adagrad_rows_of_one_element_divide_as_tfs_kernel(shape):
+    # TF's SparseApplyAdagrad takes its scalar path (lr * g / sqrt(accum)) when a row has one element
+    # (inner_dim = product of the dimensions after the first), whatever the rank; op by op, bit for bit.
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(8).astype(np.float32).reshape(shape)
+    w = Variable(jnp.zeros(shape), name="w")  # zero: the update's last bit is not rounded away
+    opt = Adagrad(0.1)
+    with jax.disable_jit():
+        (w2,), state = opt.update([IndexedSlices(jnp.asarray(g), jnp.arange(8), shape)], [w], opt.init([w]))
+    accum = np.float32(0.1) + g * g
+    np.testing.assert_array_equal(np.asarray(state.get_slot(w, "accumulator").value), accum)
+    np.testing.assert_array_equal(np.asarray(w2.value), np.float32(0) - np.float32(0.1) * g / np.sqrt(accum))

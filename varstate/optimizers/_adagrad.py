@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -50,9 +51,9 @@ class Adagrad(Optimizer):
     def _sparse(self, h, values, indices, var, slots, non_slots):
         lr = as_dtype(h["learning_rate"], var.dtype)
         accum = gather_rows(slots["accumulator"], indices) + values * values
-        if var.ndim > 1:
+        if math.prod(var.shape[1:]) > 1:
             rows = gather_rows(var, indices) - lr * values * (1 / jnp.sqrt(accum))
-        else:  # TF's kernel divides by sqrt for a vector
+        else:  # TF's kernel divides by sqrt when a row has one element
             rows = gather_rows(var, indices) - lr * values / jnp.sqrt(accum)
         return set_rows(var, indices, rows), {"accumulator": set_rows(slots["accumulator"], indices, accum)}
 
