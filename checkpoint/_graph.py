@@ -243,6 +243,12 @@ def build(roots: dict[str, Any]) -> Graph:
             if primary is not None:
                 grouped.setdefault((primary, slot.handle.slot_name), []).append(slot)
         for (primary, slot_name), shards in sorted(grouped.items()):
+            if kinds[primary] == PARTITIONED and len(shards) != len(objects[primary]):
+                raise ValueError(
+                    f"Cannot checkpoint the {slot_name!r} slots of {labels[primary]}: the optimizer {labels[opt_id]} "
+                    f"has them for {len(shards)} of its {len(objects[primary])} shards. One value holds the slot of "
+                    "the whole variable: give the optimizer every shard of it, or none."
+                )
             existing = node_of.get(("v", shards[0].resource_id)) if len(shards) == 1 else None
             if existing is None:
                 existing = len(proto.nodes)

@@ -8,7 +8,7 @@ import pytest
 import checkpoint
 import varstate
 from checkpoint import _orbax
-from varstate.optimizers import Adam
+from varstate.optimizers import Adagrad, Adam
 
 FULL = np.arange(70, dtype=np.float32).reshape(10, 7) / 7
 KEY = "m/emb/.ATTRIBUTES/VARIABLE_VALUE"
@@ -77,3 +77,14 @@ def test_tf_format_stores_the_assembled_variable_and_restores_into_shards(tmp_pa
     np.testing.assert_array_equal(reader.get(KEY), FULL)
     got = checkpoint.Checkpoint(m={"emb": pv(np.zeros_like(FULL), 2)}).restore(prefix).assert_consumed().m["emb"]
     np.testing.assert_array_equal(got.as_array(), FULL)
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_slots_for_only_some_shards_are_refused_not_zero_filled(tmp_path, fmt):
+    # One full-tensor key holds a partitioned variable's slot: the missing shards' part would be invented zeros
+    # (an Adagrad accumulator of 0 where it must be 0.5).
+    emb = varstate.PartitionedVariable(jnp.ones((6, 2)), name="emb", num_shards=2)
+    state = Adagrad(0.1, initial_accumulator_value=0.5).init({"first": emb[0]})
+    with pytest.raises(ValueError, match=r"Cannot checkpoint the 'accumulator' slots of \(root\)\.m\.emb: the "
+                                         r"optimizer \(root\)\.o has them for 1 of its 2 shards\. "):
+        checkpoint.Checkpoint(m={"emb": emb}, o=state).write(str(tmp_path / "c"), format=fmt)
