@@ -192,12 +192,19 @@ def _validate(key: str, e: Any, packs: list[int], sliced: bool = False) -> None:
     if "slices" in e and not sliced:
         if not isinstance(e["slices"], list) or not e["slices"]:
             raise ValueError(f"entry {key!r}: bad slices")
+        boxes = []
         for part in e["slices"]:
             _validate(key, part, packs, sliced=True)
             info = SaveSliceInfo.from_spec(key, part.get("spec") if isinstance(part.get("spec"), str) else "")
             if list(info.full_shape) != shape or list(info.var_shape) != part["shape"] or any(
                     o < 0 or o + n > d for o, n, d in zip(info.var_offset, info.var_shape, shape, strict=True)):
                 raise ValueError(f"entry {key!r}: slice {part['spec']!r} does not fit shape {shape}")
+            boxes.append(list(zip(info.var_offset, info.var_shape, strict=True)))
+        # Disjoint slices whose sizes add up to the whole leave no element to invent.
+        overlap = any(all(a < c + m and c < a + n for (a, n), (c, m) in zip(p, q, strict=True))
+                      for i, p in enumerate(boxes) for q in boxes[i + 1:])
+        if overlap or sum(math.prod(n for _, n in b) for b in boxes) != math.prod(shape):
+            raise ValueError(f"entry {key!r}: its slices overlap or do not cover shape {shape}")
         return
     if type(e.get("crc32c")) is not int:
         raise ValueError(f"entry {key!r}: no crc32c")

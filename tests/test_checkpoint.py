@@ -515,6 +515,8 @@ def test_node_names_follow_tf_pretty_printing_even_for_deep_primaries():
     (lambda e: e["s" + KEY].update(dtype="object"), "unsupported dtype 'object'"),
     (lambda e: e["s" + KEY].update(shape=[-1]), r"bad shape \[-1\]"),
     (lambda e: e["p" + KEY]["slices"][1].update(spec="10 7 8,3:0,7"), "does not fit shape"),
+    (lambda e: e["p" + KEY]["slices"].pop(), r"slices overlap or do not cover shape \[10, 7\]"),
+    (lambda e: e["p" + KEY]["slices"][1].update(spec="10 7 0,5:0,7"), r"slices overlap or do not cover"),
     (lambda e: e["n/.ATTRIBUTES/py_state"].update(value="3"), "does not match its type 'int'"),
     (lambda e: e.update(bad=[1]), "entry 'bad' is not an object"),
 ])
