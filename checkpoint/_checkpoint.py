@@ -171,9 +171,14 @@ class Checkpoint:
         return path
 
     def restore(self, save_path: str) -> LoadStatus:
-        """Restores the roots from `save_path` by object-graph structure; see `LoadStatus`."""
+        """Restores the roots from `save_path` by object-graph structure; see `LoadStatus`.
+
+        `save_path=None` (``latest_checkpoint`` found none) returns the roots
+        unchanged in a status whose assertions fail, as TF's
+        InitializationOnlyStatus.
+        """
         if save_path is None:
-            raise ValueError("Checkpoint.restore: save_path is None (no checkpoint found?).")
+            return _InitializationOnlyStatus(dict(self._roots))
         reader = open_reader(save_path)
         if reader.object_graph is None:
             raise ValueError(
@@ -461,6 +466,26 @@ class LoadStatus:
     def expect_partial(self) -> LoadStatus:
         """Silences the warning about unrestored values logged when the restore is discarded."""
         self._state.expect_partial = True
+        return self
+
+
+class _InitializationOnlyStatus(LoadStatus):
+    """`restore(None)`: nothing to restore from; the roots are returned as given and every assertion fails."""
+
+    def __init__(self, roots: dict[str, Any]) -> None:
+        self._roots = roots
+
+    def restore(self, **roots: Any) -> LoadStatus:
+        return _InitializationOnlyStatus(roots)
+
+    def assert_consumed(self) -> LoadStatus:
+        raise AssertionError(
+            "No checkpoint specified (save_path=None); nothing is being restored. The roots are returned as given."
+        )
+
+    assert_existing_objects_matched = assert_nontrivial_match = assert_consumed
+
+    def expect_partial(self) -> LoadStatus:
         return self
 
 

@@ -272,8 +272,14 @@ def test_bad_paths_and_newer_versions_are_refused(tmp_path):
         checkpoint.Checkpoint().restore(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="is not a checkpoint: meta/metadata is missing"):
         checkpoint.Checkpoint().restore(str(tmp_path))
-    with pytest.raises(ValueError, match="save_path is None"):
-        checkpoint.Checkpoint().restore(None)
+    # TF's idiom `ckpt.restore(latest_checkpoint(d))` on a first run: TF's InitializationOnlyStatus.
+    template = {"w": varstate.Variable(jnp.zeros(2))}
+    fresh = checkpoint.Checkpoint(model=template).restore(None)
+    assert fresh.model is template and fresh.expect_partial() is fresh and fresh.restore(o=3).o == 3
+    for check in (fresh.assert_consumed, fresh.assert_existing_objects_matched, fresh.assert_nontrivial_match):
+        with pytest.raises(AssertionError, match=r"No checkpoint specified \(save_path=None\); nothing is being "
+                                                 r"restored\. The roots are returned as given"):
+            check()
     path = checkpoint.Checkpoint(w=jnp.ones(2)).write(str(tmp_path / "c"))
     meta_file = os.path.join(path, _orbax.META_FILE)
     with open(meta_file) as f:
