@@ -508,3 +508,28 @@ def test_sparse_adagrad_rows_of_one_element_divide_as_tfs_kernel(shape):
     accum = np.float32(0.1) + g * g
     np.testing.assert_array_equal(np.asarray(state.get_slot(w, "accumulator").value), accum)
     np.testing.assert_array_equal(np.asarray(w2.value), np.float32(0) - np.float32(0.1) * g / np.sqrt(accum))
+
+
+def test_from_optax_a_variable_at_two_places_gets_one_update_with_the_summed_gradient():
+    # As the base optimizers do (and TF's tape): one slot set, one optax update of the summed gradient.
+    # It crashed: both places fed optax, so jit was asked to donate the same buffer twice.
+    tx = optax.adam(0.1)
+    e = Variable(jnp.ones((3, 2)), name="tied")
+    params = {"embed": e, "out": e}
+    opt = from_optax(tx)
+    state = opt.init(params)
+    assert state.slots["mu"]["embed"] is state.slots["mu"]["out"]
+    assert state.slots["mu"]["embed"].name == "tied/mu"
+    dense = jnp.full((3, 2), 0.5)
+    sparse = IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 0]), (3, 2))
+    new, new_state = opt.apply_gradients({"embed": dense, "out": sparse}, params, state)
+    summed = dense + sparse.to_dense()
+
+    @jax.jit
+    def reference(w, g):
+        return optax.apply_updates(w, tx.update(g, tx.init(w), w)[0])
+
+    np.testing.assert_array_equal(new["embed"].value, reference(jnp.ones((3, 2)), summed))
+    np.testing.assert_array_equal(new["out"].value, new["embed"].value)
+    assert new_state.slots["nu"]["out"].handle is new_state.slots["nu"]["embed"].handle
+    np.testing.assert_array_equal(new_state.slots["nu"]["out"].value, summed * summed * (1 - 0.999))

@@ -17,6 +17,7 @@ from varstate.optimizers._base import (
     _flatten_grads,
     _is_var,
     _label,
+    _owners,
     _value,
 )
 from varstate.optimizers._state import OptimizerState
@@ -61,10 +62,13 @@ class _OptaxOptimizer(Optimizer):
     name: str = "optax"
 
     def _values(self, p_leaves: list, p_def: Any) -> Any:
-        # Non-trainable Variables are hidden from optax (None), so they get no state, as in TF.
-        return p_def.unflatten(
-            [None if isinstance(p, Variable) and not p.trainable else _value(p) for p in p_leaves]
-        )
+        # Non-trainable Variables are hidden from optax (None), so they get no state, as in TF; so is
+        # every place of a variable after its first (tied weights: one state, at every place).
+        owners = _owners(p_leaves)
+        return p_def.unflatten([
+            None if (isinstance(p, Variable) and not p.trainable) or owners[i] != i else _value(p)
+            for i, p in enumerate(p_leaves)
+        ])
 
     def init(self, params: Any) -> OptimizerState:
         p_leaves, p_def = jax.tree.flatten(params, is_leaf=_is_var)
@@ -80,7 +84,7 @@ class _OptaxOptimizer(Optimizer):
                     None if s is None else make_slot(p, name, s) if isinstance(p, Variable) else s
                     for p, s in zip(p_leaves, p_def.flatten_up_to(part), strict=True)
                 ]
-                slots[name] = p_def.unflatten(made)
+                slots[name] = p_def.unflatten([made[i] for i in _owners(p_leaves)])
             else:
                 non_slots[name] = Variable(part, name=name, trainable=False, registry=registry)
         return OptimizerState(slots=slots, non_slots=non_slots)
@@ -90,26 +94,27 @@ class _OptaxOptimizer(Optimizer):
         p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
         values = self._values(p_leaves, p_def)
         v_leaves = p_def.flatten_up_to(values)
-        dense, skipped = [], []
-        for i, (p, g, v) in enumerate(zip(p_leaves, g_leaves, v_leaves, strict=True)):
-            if v is None:
-                dense.append(None)
-                continue
-            if g is None:  # TF skips the variable: feed zeros, then keep its old value and slots
-                skipped.append(i)
-                dense.append(jnp.zeros_like(v))
+        owners = _owners(p_leaves)
+        summed: dict[int, Any] = {}  # a tied variable's gradients add up at its first place
+        for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+            v = v_leaves[owners[i]]
+            if v is None or g is None:
                 continue
             g = _convert_grad(g, v, _label(paths[i], p))
             if isinstance(g, IndexedSlices):
                 _check_indices_range(g.indices, v.shape[0], _label(paths[i], p))
                 g = IndexedSlices(g.values, g.indices, v.shape).to_dense()
-            dense.append(g)
+            summed[owners[i]] = g if owners[i] not in summed else summed[owners[i]] + g
+        # TF skips a variable without gradient: feed zeros, then keep its old value and slots.
+        skipped = [i for i, v in enumerate(v_leaves) if v is not None and i not in summed]
+        dense = [None if v is None else summed.get(i, jnp.zeros_like(v)) for i, v in enumerate(v_leaves)]
         outer, names = _layout(jax.eval_shape(self.tx.init, values), values)
         parts = []
         for name, is_slot in names:
             if is_slot:
                 parts.append(p_def.unflatten([
-                    None if s is None else _value(s) for s in p_def.flatten_up_to(state.slots[name])
+                    None if v is None else _value(s)
+                    for s, v in zip(p_def.flatten_up_to(state.slots[name]), v_leaves, strict=True)
                 ]))
             else:
                 parts.append(state.non_slots[name]._value)
@@ -122,15 +127,17 @@ class _OptaxOptimizer(Optimizer):
                 continue
             new_v = (v + u).astype(v.dtype)
             new_p.append(p._with_value(new_v) if isinstance(p, Variable) else new_v)
+        new_p = [new_p[i] for i in owners]
         slots, non_slots = {}, {}
         for part, (name, is_slot) in zip(outer.flatten_up_to(new_opt_state), names, strict=True):
             if is_slot:
                 old = p_def.flatten_up_to(state.slots[name])
                 new = p_def.flatten_up_to(part)
-                slots[name] = p_def.unflatten([
-                    o if o is None or i in skipped else o._with_value(n) if isinstance(o, Variable) else n
+                made = [
+                    o if o is None or n is None or i in skipped else o._with_value(n) if isinstance(o, Variable) else n
                     for i, (o, n) in enumerate(zip(old, new, strict=True))
-                ])
+                ]
+                slots[name] = p_def.unflatten([made[i] for i in owners])
             else:
                 non_slots[name] = state.non_slots[name]._with_value(part)
         return p_def.unflatten(new_p), OptimizerState(slots=slots, non_slots=non_slots)
