@@ -553,7 +553,8 @@ def _finish(cell: _Cell, value: Any) -> Any:
         if isinstance(item, bytes):
             item = item.decode()
         # The saved type, or an int into a float: any other conversion would change the value silently.
-        if type(item) is not type(t) and not (type(t) is float and type(item) is int):
+        saved_as = _graph.python_type(t)
+        if type(item) is not saved_as and not (saved_as is float and type(item) is int):
             found = f"an array of shape {value.shape}" if value.shape else f"a Python {type(item).__name__}"
             raise TypeError(
                 f"Cannot restore {cell.label}: the checkpoint value {cell.key!r} is {found}, the object is a Python "

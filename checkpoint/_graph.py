@@ -31,6 +31,11 @@ _ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 _PYTHON = (bool, int, float, str)
 
 
+def python_type(value: Any) -> type:
+    """The Python type a `PYTHON` value is saved as: bool, int, float or str (an IntEnum is an int)."""
+    return next(t for t in _PYTHON if isinstance(value, t))
+
+
 def escape(local_name: str) -> str:
     """TF's escaping of one path part: ``.`` -> ``..``, ``/`` -> ``.S``."""
     return local_name.replace(".", "..").replace("/", ".S")

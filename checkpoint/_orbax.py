@@ -30,6 +30,7 @@ from etils import epath
 from google.protobuf.message import DecodeError
 
 from checkpoint._errors import DataLossError
+from checkpoint._graph import python_type
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 from varstate._partition import SaveSliceInfo
 
@@ -127,8 +128,9 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph) -> tuple[
     """{key: array | Python scalar | [(SaveSliceInfo, array), ...]} -> (orbax tree, JSON metadata)."""
     lay = _Layout()
     for key, value in values.items():
-        if type(value) in (bool, int, float, str):  # exact: np.float64 subclasses float but is an array
-            lay.entries[key] = {"python": type(value).__name__, "value": value}
+        if isinstance(value, (bool, int, float, str)) and not isinstance(value, np.generic):  # np.float64: array
+            base = python_type(value)  # an IntEnum is an int
+            lay.entries[key] = {"python": base.__name__, "value": base(value)}
         elif isinstance(value, list):
             info0 = value[0][0]
             lay.entries[key] = {

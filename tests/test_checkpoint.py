@@ -1,6 +1,7 @@
 """Checkpoint: object graph (against TF's), round trips, restore by structure, deferred restoration, errors."""
 
 import dataclasses
+import enum
 import gc
 import json
 import logging
@@ -725,3 +726,23 @@ def test_a_container_in_place_of_a_saved_value_leaves_it_unrestored(tmp_path):
     with pytest.raises(AssertionError, match=r"Unresolved object in checkpoint \(root\)\.model\.w: its value "
                                              r"\(model/w/\.ATTRIBUTES/VARIABLE_VALUE\) was not restored"):
         status.assert_consumed()
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 1
+    EVAL = 2
+
+
+class Split(enum.StrEnum):
+    TRAIN = "train"
+    TEST = "test"
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_int_and_str_enums_are_python_values(tmp_path, fmt):
+    path = checkpoint.Checkpoint(cfg={"mode": Mode.EVAL, "split": Split.TEST}).write(str(tmp_path / "c"), format=fmt)
+    got = checkpoint.Checkpoint(cfg={"mode": Mode.TRAIN, "split": Split.TRAIN}).restore(path).assert_consumed().cfg
+    assert got["mode"] is Mode.EVAL and got["split"] is Split.TEST
+    with pytest.raises(TypeError, match=r"'cfg/split/\.ATTRIBUTES/py_state' is a Python str, the object is a Python "
+                                        r"Mode\."):
+        checkpoint.Checkpoint(cfg={"split": Mode.TRAIN}).restore(path)
