@@ -164,3 +164,18 @@ def test_float16_step_with_autocast_variables():
     params2, state2 = opt.apply_gradients(opt.get_unscaled_gradients(big, state), params, state)
     assert params2["w"].__varstate_variable__().value.tolist() == [np.float32(0.95), np.float32(0.9875)]
     assert state2.non_slot("current_loss_scale").value.item() == 2.0**14
+
+
+def test_a_variable_at_two_places_steps_and_skips_without_donating_its_buffer_twice():
+    # Tied weights: the skipped branch returns every place, so each place used to be read and
+    # donated: XLA refused ("donate the same buffer twice"). One update with the summed gradient.
+    w = varstate.Variable(jnp.ones(2), name="ls_tied")
+    params = {"embed": w, "out": w}
+    opt = LossScaleOptimizer(Momentum(1.0, 0.5), initial_scale=4.0)
+    state = opt.init(params)
+    params, state = opt.apply_gradients({"embed": jnp.ones(2), "out": jnp.full(2, 2.0)}, params, state)
+    assert params["embed"].value.tolist() == params["out"].value.tolist() == [-2.0, -2.0]
+    params, state = opt.apply_gradients({"embed": jnp.full(2, jnp.inf), "out": jnp.ones(2)}, params, state)
+    assert params["embed"].value.tolist() == params["out"].value.tolist() == [-2.0, -2.0]
+    assert state.get_slot(params["out"], "momentum").value.tolist() == [3.0, 3.0]
+    assert state.non_slot("current_loss_scale").value.item() == 2.0

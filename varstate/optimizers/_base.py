@@ -448,8 +448,18 @@ def _make_slot(p: Any, slot_name: str, fill: float) -> Any:
     return make_slot(p, slot_name, slot_value) if isinstance(p, Variable) else slot_value
 
 
+def _tie(tree: Any) -> Any:
+    """`tree` with every later place of a variable holding its first place's version.
+
+    Tied weights share one buffer; read at one place only, the others are pruned from the
+    executable, so jit never donates that buffer twice (which XLA refuses).
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_var)
+    return treedef.unflatten([leaves[i] for i in _owners(leaves)])
+
+
 def _step(opt: Optimizer, grads: Any, params: Any, state: OptimizerState, step: Any) -> tuple[Any, OptimizerState]:
-    return opt.update(grads, params, state, step)
+    return opt.update(grads, _tie(params), _tie(state), step)
 
 
 _jitted_update = jax.jit(_step, static_argnums=0, donate_argnums=(2, 3))
