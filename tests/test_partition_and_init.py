@@ -158,3 +158,13 @@ def test_indexed_slices_to_dense_drops_negative_indices():
     s = IndexedSlices(jnp.array([1.0, 2.0]), jnp.array([-1, 0]), (3,))
     assert s.to_dense().tolist() == [2.0, 0.0, 0.0]
     assert jax.jit(IndexedSlices.to_dense)(s).tolist() == [2.0, 0.0, 0.0]
+
+
+def test_partition_axis_may_be_negative(reg):
+    # As in TF (a Python index into the partitions list): axis=-1 is the last axis.
+    pv = PartitionedVariable(jnp.arange(8.0).reshape(2, 4), name="cols", num_shards=2, axis=-1, registry=reg)
+    assert [v.shape for v in pv] == [(2, 2), (2, 2)]
+    assert [v.save_slice_info.spec for v in pv] == ["2 4 0,2:0,2", "2 4 0,2:2,2"]
+    np.testing.assert_array_equal(pv.as_array(), np.arange(8.0).reshape(2, 4))
+    with pytest.raises(ValueError, match=r"PartitionedVariable 'x': axis 2 is out of range for shape \(2, 4\)"):
+        PartitionedVariable(jnp.zeros((2, 4)), name="x", num_shards=2, axis=2, registry=reg)

@@ -275,3 +275,11 @@ def test_scatter_under_jit_drops_negative_indices(reg):
         out = jax.jit(lambda v, s, op=op: getattr(v, op)(s))(v, s)
         expected = [1.0 if op != "scatter_sub" else -1.0, 0.0, 0.0]
         assert out.value.tolist() == expected, op
+
+
+def test_scatter_into_a_scalar_names_the_problem(reg):
+    # Was a raw "tuple index out of range"; TF's scatter kernels need a variable of rank >= 1.
+    s = Variable(1.0, name="scalar", registry=reg)
+    with pytest.raises(ValueError, match=r"Variable 'scalar'.scatter_add: a scatter needs a variable of rank >= 1 "
+                                         r"\(its rows\), but 'scalar' is a scalar; use assign_add"):
+        s.scatter_add(IndexedSlices(jnp.ones(1), jnp.array([0])))

@@ -140,14 +140,17 @@ class PartitionedVariable:
             raise ValueError(
                 f"PartitionedVariable {name!r}: give exactly one of num_shards, max_shard_bytes or partitioner."
             )
-        if num_shards is not None:
-            partitioner = fixed_size_partitioner(num_shards, axis)
-        elif max_shard_bytes is not None:
-            partitioner = variable_axis_size_partitioner(max_shard_bytes, axis)
         value = initial_value() if callable(initial_value) else initial_value
         value = jnp.asarray(value, dtype=dtype)
         if value.ndim == 0:
             raise ValueError(f"PartitionedVariable {name!r}: cannot partition a scalar.")
+        if not -value.ndim <= axis < value.ndim:
+            raise ValueError(f"PartitionedVariable {name!r}: axis {axis} is out of range for shape {value.shape}.")
+        axis %= value.ndim
+        if num_shards is not None:
+            partitioner = fixed_size_partitioner(num_shards, axis)
+        elif max_shard_bytes is not None:
+            partitioner = variable_axis_size_partitioner(max_shard_bytes, axis)
         parts = list(partitioner(value.shape, value.dtype))
         if len(parts) != value.ndim or any(p != 1 for i, p in enumerate(parts) if i != axis):
             raise ValueError(

@@ -340,6 +340,11 @@ class Variable:
                 f"Variable {self.name!r}.{op}: sparse_delta must be IndexedSlices, "
                 f"got {type(sparse_delta).__name__}."
             )
+        if not self.shape:
+            raise ValueError(
+                f"Variable {self.name!r}.{op}: a scatter needs a variable of rank >= 1 (its rows), but "
+                f"{self.name!r} is a scalar; use assign_add/assign_sub/assign."
+            )
         value = self.read_value()
         indices = jnp.asarray(sparse_delta.indices)
         updates = _unwrap(sparse_delta.values)
