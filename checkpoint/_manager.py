@@ -130,7 +130,7 @@ class CheckpointManager:
         """The newest committed checkpoint, or None."""
         return self._path(self._steps[-1]) if self._steps else None
 
-    def save(self, step: int, **roots: Any) -> str:
+    def save(self, step: int, /, **roots: Any) -> str:
         """Writes ``ckpt-<step>``; returns its path (committed unless ``async_save``)."""
         step = int(step)
         if step < 0:
@@ -189,7 +189,7 @@ class CheckpointManager:
             error, self._error = self._error, None
             raise error
 
-    def restore(self, step: int | None = None, **templates: Any) -> LoadStatus:
+    def restore(self, step: int | None = None, /, **templates: Any) -> LoadStatus:
         """Restores `templates` from ``ckpt-<step>`` (default: the latest); see `Checkpoint.restore`."""
         self.wait_until_finished()
         path = self.latest_checkpoint if step is None else self._path(int(step))

@@ -172,3 +172,13 @@ def test_a_reopened_manager_keeps_the_saving_order_of_the_state_file(tmp_path):
     assert reopened.restore(m=template()).m["w"].value.tolist() == [20.0] * 3
     reopened.save(40, m=model(40))  # the oldest saved (30) goes, not the smallest step
     assert reopened.checkpoints == [str(tmp_path / "ckpt-20"), str(tmp_path / "ckpt-40")]
+
+
+def test_a_root_named_step(tmp_path):
+    # `step` (the checkpoint number) is positional-only, so a root may be called step, as in TF's Checkpoint.
+    mgr = checkpoint.CheckpointManager(str(tmp_path))
+    mgr.save(7, m=model(7), step=np.int64(7))
+    mgr.save(8, m=model(8), step=np.int64(8))
+    assert mgr.restore(step=np.int64(0)).expect_partial().step == 8
+    assert mgr.restore(7, step=np.int64(0)).expect_partial().step == 7
+    mgr.close()
