@@ -246,7 +246,8 @@ class OrbaxReader:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataLossError(f"Checkpoint {path!r}: {META_FILE} is corrupted ({e}).") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError(f"{path!r} is not a varstate checkpoint (format {meta.get('format')!r}).")
+            found = f"format {meta.get('format')!r}" if isinstance(meta, dict) else f"a {type(meta).__name__}"
+            raise ValueError(f"{path!r} is not a varstate checkpoint ({found} in {META_FILE}).")
         version = meta.get("version")
         if not isinstance(version, int) or version > VERSION:
             raise ValueError(

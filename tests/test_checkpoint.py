@@ -746,3 +746,12 @@ def test_int_and_str_enums_are_python_values(tmp_path, fmt):
     with pytest.raises(TypeError, match=r"'cfg/split/\.ATTRIBUTES/py_state' is a Python str, the object is a Python "
                                         r"Mode\."):
         checkpoint.Checkpoint(cfg={"split": Mode.TRAIN}).restore(path)
+
+
+@pytest.mark.parametrize("text, found", [("[1, 2]", "a list"), ('{"format": "other"}', "format 'other'")])
+def test_metadata_of_another_kind_is_refused(tmp_path, text, found):
+    path = checkpoint.Checkpoint(w=jnp.ones(2)).write(str(tmp_path / "c"))
+    with open(os.path.join(path, _orbax.META_FILE), "w") as f:
+        f.write(text)
+    with pytest.raises(ValueError, match=rf"is not a varstate checkpoint \({found} in meta/metadata\)"):
+        checkpoint.Checkpoint(w=jnp.zeros(2)).restore(path)
