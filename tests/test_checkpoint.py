@@ -755,3 +755,16 @@ def test_metadata_of_another_kind_is_refused(tmp_path, text, found):
         f.write(text)
     with pytest.raises(ValueError, match=rf"is not a varstate checkpoint \({found} in meta/metadata\)"):
         checkpoint.Checkpoint(w=jnp.zeros(2)).restore(path)
+
+
+def test_metadata_entries_that_are_not_an_object(tmp_path):
+    path = checkpoint.Checkpoint(w=jnp.ones(2)).write(str(tmp_path / "c"))
+    meta_file = os.path.join(path, _orbax.META_FILE)
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta["entries"] = [meta["entries"]]
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(checkpoint.DataLossError, match=r"meta/metadata is corrupted \(TypeError: its entries are a "
+                                                       r"list, not an object\)"):
+        checkpoint.Checkpoint(w=jnp.zeros(2)).restore(path)
