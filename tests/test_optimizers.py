@@ -533,3 +533,14 @@ def test_from_optax_a_variable_at_two_places_gets_one_update_with_the_summed_gra
     np.testing.assert_array_equal(new["out"].value, new["embed"].value)
     assert new_state.slots["nu"]["out"].handle is new_state.slots["nu"]["embed"].handle
     np.testing.assert_array_equal(new_state.slots["nu"]["out"].value, summed * summed * (1 - 0.999))
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_an_integer_variable_with_a_gradient_is_refused_not_left_unchanged(name):
+    # lr 0.1 cast to int32 is 0: the step silently did nothing. TF has no integer kernels for its
+    # optimizers and its Optimizer lists the float and complex dtypes it accepts (ValueError).
+    opt = ALL[name]()
+    counts = Variable(jnp.array([3, 4]), name="counts")
+    with pytest.raises(ValueError, match=r"apply_gradients: 'counts' \(params\[0\]\) has dtype int32; optimizers "
+                                         r"update floating-point or complex variables only.*trainable=False"):
+        opt.apply_gradients([jnp.array([1, 1])], [counts], opt.init([counts]))

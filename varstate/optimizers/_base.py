@@ -108,6 +108,11 @@ def _check_indices_range(indices: Any, nrows: int, label: str) -> None:
 
 def _convert_grad(g: Any, var: Any, label: str) -> Any:
     """The gradient as an array or IndexedSlices of values, checked against the variable."""
+    if not jnp.issubdtype(var.dtype, jnp.inexact):
+        raise ValueError(
+            f"apply_gradients: {label} has dtype {var.dtype}; optimizers update floating-point or complex "
+            "variables only (as TF's). Make it trainable=False, or pass None as its gradient."
+        )
     if isinstance(g, IndexedSlices):
         values = _value(g.values)
         indices = _value(g.indices)
