@@ -258,7 +258,8 @@ class OrbaxReader:
             self._entries: dict[str, dict] = meta["entries"]
             if not isinstance(self._entries, dict):
                 raise TypeError(f"its entries are a {type(self._entries).__name__}, not an object")
-            self.object_graph = TrackableObjectGraph.FromString(base64.b64decode(meta["object_graph"]))
+            graph = TrackableObjectGraph.FromString(base64.b64decode(meta["object_graph"]))
+            self.object_graph = graph if graph.nodes else None  # none: a converted name-based checkpoint
             self._packs = [int(n) for n in meta["packs"]]
             if any(n < 0 for n in self._packs):
                 raise ValueError(f"negative pack size in {self._packs}")

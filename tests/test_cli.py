@@ -387,3 +387,20 @@ def test_convert_keeps_python_strings_of_our_own_checkpoints(capsys, tmp_path):
         got = checkpoint.Checkpoint(m=model("", 0.0)).restore(path).assert_consumed().m
         assert got["name"] == "run-1 é" and got["n"] == 3 and got["w"].value.tolist() == [1.0, 1.0]
         assert run(capsys, "diff", src, path)[0] == 0
+
+
+def test_a_name_based_checkpoint_converted_to_orbax_stays_name_based(capsys, tmp_path):
+    import jax.numpy as jnp
+
+    import checkpoint
+    import varstate
+
+    dst = str(tmp_path / "orbax")
+    assert run(capsys, "convert", NAME_BASED, dst, "--to", "orbax")[0] == 0
+    assert read_checkpoint(dst).object_graph is None  # as read_checkpoint documents for name-based checkpoints
+    with pytest.raises(ValueError, match=r"is a name-based checkpoint \(no object graph\): restore it by variable "
+                                         r"name with checkpoint\.restore_by_name"):
+        checkpoint.Checkpoint(m={"w": varstate.Variable(jnp.zeros(2))}).restore(dst)
+    name = "bert/embeddings/position_embeddings"
+    params = {"e": varstate.Variable(jnp.zeros(expected(name).shape), name=name, registry=varstate.Registry())}
+    np.testing.assert_array_equal(checkpoint.restore_by_name(dst, params).params["e"].value, expected(name))
