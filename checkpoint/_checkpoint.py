@@ -12,6 +12,7 @@ import numpy as np
 
 from checkpoint import _graph, _orbax
 from checkpoint._by_name import _convert
+from checkpoint._errors import DataLossError
 from checkpoint._graph import ARRAY, CONTAINER, OPTIMIZER, PARTITIONED, PYTHON, VARIABLE
 from varstate._partition import PartitionedVariable
 from varstate._variable import Variable
@@ -189,6 +190,11 @@ class Checkpoint:
         root = state.proto.nodes[0]
         counter = next((r.node_id for r in root.children if r.local_name == _graph.SAVE_COUNTER), None)
         if counter is not None:
+            if not 0 <= counter < len(state.proto.nodes) or not state.proto.nodes[counter].attributes:
+                raise DataLossError(
+                    f"Checkpoint {save_path!r}: the object graph's save_counter refers to node {counter}, which "
+                    "holds no value; the checkpoint is corrupted."
+                )
             key = state.proto.nodes[counter].attributes[0].checkpoint_key
             self.save_counter = int(np.asarray(reader.get(key)).item())
             self._counter_tracked = True

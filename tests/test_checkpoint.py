@@ -768,3 +768,14 @@ def test_metadata_entries_that_are_not_an_object(tmp_path):
     with pytest.raises(checkpoint.DataLossError, match=r"meta/metadata is corrupted \(TypeError: its entries are a "
                                                        r"list, not an object\)"):
         checkpoint.Checkpoint(w=jnp.zeros(2)).restore(path)
+
+
+def test_a_corrupt_save_counter_reference_is_a_data_loss_error(tmp_path):
+    from checkpoint._bundle import write_bundle
+
+    graph = TrackableObjectGraph()
+    graph.nodes.add().children.add(node_id=99, local_name="save_counter")
+    write_bundle(str(tmp_path / "c"), {_graph.OBJECT_GRAPH_KEY: graph.SerializeToString()})
+    with pytest.raises(checkpoint.DataLossError, match=r"the object graph's save_counter refers to node 99, which "
+                                                       r"holds no value"):
+        checkpoint.Checkpoint().restore(str(tmp_path / "c"))
