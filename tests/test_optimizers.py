@@ -544,3 +544,12 @@ def test_an_integer_variable_with_a_gradient_is_refused_not_left_unchanged(name)
     with pytest.raises(ValueError, match=r"apply_gradients: 'counts' \(params\[0\]\) has dtype int32; optimizers "
                                          r"update floating-point or complex variables only.*trainable=False"):
         opt.apply_gradients([jnp.array([1, 1])], [counts], opt.init([counts]))
+
+
+def test_slots_are_named_after_their_primary_whatever_the_name_scope():
+    # make_slot names a slot `<primary name>/<slot>` (TF's slot_creator scopes it under the primary);
+    # an enclosing name_scope was prepended a second time.
+    w = Variable(jnp.zeros(2), name="dense/kernel")
+    with varstate.name_scope("train"):
+        state = Adam().init({"w": w})
+    assert [state.get_slot(w, n).name for n in ("m", "v")] == ["dense/kernel/m", "dense/kernel/v"]

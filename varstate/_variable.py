@@ -18,7 +18,7 @@ import numpy as np
 from jax._src import core as _core
 
 from varstate._indexed_slices import IndexedSlices
-from varstate._registry import Registry, _current_scope, _next_resource_id
+from varstate._registry import Registry, _current_scope, _next_resource_id, _scope
 
 
 class VariableSynchronization(enum.IntEnum):
@@ -474,8 +474,13 @@ def make_slot(primary: Variable, slot_name: str, value: Any) -> Variable:
     if info is not None:
         info = type(info)(f"{info.full_name}/{slot_name}", info.full_shape, info.var_offset, info.var_shape)
     registry = primary._handle.registry
-    slot = Variable(value, name=f"{primary.name}/{slot_name}", trainable=False,
-                    save_slice_info=info, registry=registry)
+    stack = getattr(_scope, "stack", ())
+    _scope.stack = ()  # the primary's name has its scope already
+    try:
+        slot = Variable(value, name=f"{primary.name}/{slot_name}", trainable=False,
+                        save_slice_info=info, registry=registry)
+    finally:
+        _scope.stack = stack
     slot._handle.slot_of = primary.resource_id
     slot._handle.slot_name = slot_name
     return slot
