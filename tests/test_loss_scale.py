@@ -179,3 +179,12 @@ def test_a_variable_at_two_places_steps_and_skips_without_donating_its_buffer_tw
     assert params["embed"].value.tolist() == params["out"].value.tolist() == [-2.0, -2.0]
     assert state.get_slot(params["out"], "momentum").value.tolist() == [3.0, 3.0]
     assert state.non_slot("current_loss_scale").value.item() == 2.0
+
+
+def test_good_steps_is_int64_with_x64_as_keras_and_the_readme_say():
+    # Keras's counter is int64; JAX without x64 has no int64, so int32 there (README's stated difference).
+    with jax.enable_x64(True):
+        state = LossScaleOptimizer(GradientDescent(0.1)).init([varstate.Variable(jnp.ones(2), name="ls_x64")])
+        assert state.non_slot("good_steps").dtype == jnp.int64
+    state = LossScaleOptimizer(GradientDescent(0.1)).init([varstate.Variable(jnp.ones(2), name="ls_x32")])
+    assert state.non_slot("good_steps").dtype == jnp.int32

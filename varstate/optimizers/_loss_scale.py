@@ -39,7 +39,7 @@ class LossScaleOptimizer(Optimizer):
     halves the scale (not below 1); after ``growth_interval`` consecutive
     finite steps the scale doubles (unless that overflows). The state is the
     inner `OptimizerState` plus the non-slot variables ``current_loss_scale``
-    (float32) and ``good_steps`` (int32), so it checkpoints like any optimizer
+    (float32) and ``good_steps`` (int64 with ``jax_enable_x64``, else int32), so it checkpoints like any optimizer
     state. With ``dynamic=False`` the scale is the fixed ``initial_scale``.
 
     Errors as Keras: TypeError for an inner object that is not an Optimizer,
@@ -109,7 +109,8 @@ class LossScaleOptimizer(Optimizer):
         registry = first.handle.registry if first is not None else None
         non_slots = dict(state.non_slots)
         non_slots[_SCALE] = Variable(jnp.float32(self.initial_scale), name=_SCALE, trainable=False, registry=registry)
-        non_slots[_GOOD] = Variable(jnp.int32(0), name=_GOOD, trainable=False, registry=registry)
+        good_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32  # Keras: int64
+        non_slots[_GOOD] = Variable(jnp.zeros((), good_dtype), name=_GOOD, trainable=False, registry=registry)
         return OptimizerState(slots=state.slots, non_slots=non_slots)
 
     def loss_scale(self, state: OptimizerState) -> Any:
