@@ -283,3 +283,15 @@ def test_scatter_into_a_scalar_names_the_problem(reg):
     with pytest.raises(ValueError, match=r"Variable 'scalar'.scatter_add: a scatter needs a variable of rank >= 1 "
                                          r"\(its rows\), but 'scalar' is a scalar; use assign_add"):
         s.scatter_add(IndexedSlices(jnp.ones(1), jnp.array([0])))
+
+
+def test_a_python_float_into_an_integer_variable_is_refused_not_truncated(reg):
+    # TF: "Cannot convert 2.7 to EagerTensor of dtype int32" (TypeError); jnp.asarray truncated silently.
+    iv = Variable(jnp.int32(1), name="count", registry=reg)
+    with pytest.raises(TypeError, match=r"Variable 'count'.assign: cannot convert 2.7 to int32 without losing "
+                                        r"its fractional part; pass an integer"):
+        iv.assign(2.7)
+    with pytest.raises(TypeError, match=r"Variable 'n' initial_value: cannot convert \[1, 1.5\] to int32"):
+        Variable([1, 1.5], name="n", dtype=jnp.int32, registry=reg)
+    assert iv.assign_add(2).value.item() == 3 and iv.assign(4.0).value.item() == 4  # whole numbers convert
+    assert Variable(1, dtype=jnp.float32, registry=reg).value.item() == 1.0

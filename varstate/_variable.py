@@ -135,9 +135,18 @@ def _as_value(value: Any, dtype: Any, what: str) -> Any:
             f"got {type(value).__name__}. Pass jnp.asarray(...) of the value."
         )
     try:
-        return jnp.asarray(value, dtype=dtype)
+        out = jnp.asarray(value, dtype=dtype)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what}: cannot convert {type(value).__name__} to an array: {e}") from None
+    if isinstance(value, (float, complex, list, tuple)) and jnp.issubdtype(out.dtype, jnp.integer):
+        exact = np.asarray(value)
+        if not np.issubdtype(exact.dtype, np.integer) and not np.array_equal(exact, out):
+            # As TF's conversion of Python numbers: no silent truncation.
+            raise TypeError(
+                f"{what}: cannot convert {value!r:.60} to {out.dtype} without losing its fractional part; "
+                "pass an integer."
+            )
+    return out
 
 
 class Variable:
