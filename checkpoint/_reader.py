@@ -89,8 +89,8 @@ def _inside(directory: str, path: str, where: str) -> str:
     root = os.path.realpath(directory)
     candidate = os.path.realpath(os.path.join(directory, path))
     if os.path.commonpath([root, candidate]) == root and candidate != root:
-        return candidate
-    moved = os.path.join(root, os.path.basename(path))
+        return os.path.abspath(os.path.join(directory, path))  # checked resolved; returned as TF joins it
+    moved = os.path.join(os.path.abspath(directory), os.path.basename(path))
     if os.path.isabs(path) and (os.path.exists(moved + ".index") or os.path.isdir(moved)):
         return moved  # an absolute path written before the directory was moved or copied
     raise CheckpointFormatError(

@@ -182,3 +182,15 @@ def test_a_root_named_step(tmp_path):
     assert mgr.restore(step=np.int64(0)).expect_partial().step == 8
     assert mgr.restore(7, step=np.int64(0)).expect_partial().step == 7
     mgr.close()
+
+
+def test_latest_checkpoint_keeps_the_directory_as_given_through_a_symlink(tmp_path):
+    # TF joins the state file's path to the directory given; a symlinked directory must not turn into its target.
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real", target_is_directory=True)
+    mgr = checkpoint.CheckpointManager(str(link))
+    mgr.save(1, m=model(1))
+    assert checkpoint.latest_checkpoint(str(link)) == mgr.latest_checkpoint == str(link / "ckpt-1")
+    assert checkpoint.read_checkpoint(str(link)).path == str(link / "ckpt-1")
+    mgr.close()
