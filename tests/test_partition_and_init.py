@@ -168,3 +168,14 @@ def test_partition_axis_may_be_negative(reg):
     np.testing.assert_array_equal(pv.as_array(), np.arange(8.0).reshape(2, 4))
     with pytest.raises(ValueError, match=r"PartitionedVariable 'x': axis 2 is out of range for shape \(2, 4\)"):
         PartitionedVariable(jnp.zeros((2, 4)), name="x", num_shards=2, axis=2, registry=reg)
+
+
+def test_convert_to_tensor_or_indexed_slices_never_casts_a_tensor(reg):
+    # TF: "Tensor conversion requested dtype int32 for Tensor with dtype float32" (ValueError) for a
+    # tensor or variable; jnp.asarray truncated [1.5] to [1] silently.
+    conv = varstate.convert_to_tensor_or_indexed_slices
+    with pytest.raises(ValueError, match=r"conversion requested dtype int32 for Tensor with dtype float32 \(g\)"):
+        conv(jnp.array([1.5]), dtype=jnp.int32, name="g")
+    with pytest.raises(ValueError, match="requested dtype float16 for Tensor with dtype float32"):
+        conv(varstate.Variable([1.5], registry=reg), dtype=jnp.float16)
+    assert conv(jnp.array([1.5]), dtype=jnp.float32).tolist() == [1.5]

@@ -79,8 +79,9 @@ def _make(values: Any, indices: Any, dense_shape: Any) -> IndexedSlices:
 def convert_to_tensor_or_indexed_slices(value: Any, dtype: Any = None, name: str | None = None) -> Any:
     """Returns `value` as IndexedSlices or a jax.Array; TypeError for anything else (as TF).
 
-    Variables are read; IndexedSlices pass through (ValueError on a dtype
-    mismatch with `dtype`, as TF).
+    Variables are read; IndexedSlices pass through. ValueError, as TF, when
+    `dtype` differs from that of IndexedSlices, a jax.Array or a Variable
+    (numbers and numpy arrays are converted to `dtype`).
 
     >>> import varstate
     >>> varstate.convert_to_tensor_or_indexed_slices([1.0, 2.0]).tolist()
@@ -89,15 +90,15 @@ def convert_to_tensor_or_indexed_slices(value: Any, dtype: Any = None, name: str
     from varstate._variable import Variable
 
     where = f" ({name})" if name else ""
-    if isinstance(value, IndexedSlices):
-        if dtype is not None and jnp.dtype(dtype) != value.dtype:
-            raise ValueError(
-                f"Tensor conversion requested dtype {jnp.dtype(dtype)} for IndexedSlices with dtype "
-                f"{value.dtype}{where}."
-            )
-        return value
     if isinstance(value, Variable):
         value = value.read_value()
+    if isinstance(value, (IndexedSlices, jax.Array)) and dtype is not None and jnp.dtype(dtype) != value.dtype:
+        kind = "IndexedSlices" if isinstance(value, IndexedSlices) else "Tensor"  # never cast, as TF
+        raise ValueError(
+            f"Tensor conversion requested dtype {jnp.dtype(dtype)} for {kind} with dtype {value.dtype}{where}."
+        )
+    if isinstance(value, IndexedSlices):
+        return value
     if isinstance(value, (str, bytes, dict, set)) or value is None:
         raise TypeError(
             f"Cannot convert {type(value).__name__} {value!r:.60} to a tensor or IndexedSlices{where}: "
