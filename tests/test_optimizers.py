@@ -553,3 +553,14 @@ def test_slots_are_named_after_their_primary_whatever_the_name_scope():
     with varstate.name_scope("train"):
         state = Adam().init({"w": w})
     assert [state.get_slot(w, n).name for n in ("m", "v")] == ["dense/kernel/m", "dense/kernel/v"]
+
+
+def test_tied_dense_and_sparse_gradients_under_jit_drop_a_negative_index():
+    # Inside a caller's jit indices cannot be checked; an out-of-range row is dropped everywhere
+    # (add_rows), so also when a tied variable's sparse gradient is summed into a dense one.
+    w = Variable(jnp.zeros(3), name="tied_neg")
+    params = {"a": w, "b": w}
+    opt = GradientDescent(1.0)
+    grads = {"a": jnp.ones(3), "b": IndexedSlices(jnp.array([5.0]), jnp.array([-1]), (3,))}
+    new, _ = jax.jit(opt.update)(grads, params, opt.init(params))
+    assert new["a"].value.tolist() == [-1.0, -1.0, -1.0]

@@ -87,7 +87,7 @@ def _sum_grads(a: Any, b: Any, shape: tuple) -> Any:
         return IndexedSlices(jnp.concatenate([a.values, b.values]), jnp.concatenate([a.indices, b.indices]), shape)
 
     def dense(g):
-        return jnp.zeros(shape, g.values.dtype).at[g.indices].add(g.values) if isinstance(g, IndexedSlices) else g
+        return add_rows(jnp.zeros(shape, g.values.dtype), g.indices, g.values) if isinstance(g, IndexedSlices) else g
 
     return dense(a) + dense(b)
 
