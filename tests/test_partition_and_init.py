@@ -179,3 +179,10 @@ def test_convert_to_tensor_or_indexed_slices_never_casts_a_tensor(reg):
     with pytest.raises(ValueError, match="requested dtype float16 for Tensor with dtype float32"):
         conv(varstate.Variable([1.5], registry=reg), dtype=jnp.float16)
     assert conv(jnp.array([1.5]), dtype=jnp.float32).tolist() == [1.5]
+
+
+def test_variable_axis_size_partitioner_refuses_a_negative_max_shards():
+    # TF: ValueError "max_shards must be positive"; a negative value silently gave one shard.
+    with pytest.raises(ValueError, match=r"variable_axis_size_partitioner: max_shards must be positive, got -2"):
+        varstate.variable_axis_size_partitioner(64, max_shards=-2)
+    assert varstate.variable_axis_size_partitioner(64, max_shards=2)((10, 4), "float32") == [2, 1]

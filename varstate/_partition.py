@@ -78,6 +78,8 @@ def variable_axis_size_partitioner(max_shard_bytes: int, axis: int = 0, max_shar
         raise ValueError(
             f"variable_axis_size_partitioner: max_shard_bytes must be a positive int, got {max_shard_bytes!r}."
         )
+    if max_shards is not None and max_shards < 0:  # as TF, 0 (like None) means no limit
+        raise ValueError(f"variable_axis_size_partitioner: max_shards must be positive, got {max_shards!r}.")
 
     def partitioner(shape: Sequence[int], dtype: Any) -> list[int]:
         row_bytes = math.prod(d for i, d in enumerate(shape) if i != axis) * jnp.dtype(dtype).itemsize
