@@ -201,3 +201,11 @@ def test_iterates_and_defers_to_numpy_like_its_variable():
         assert [r.dtype for r in rows] == [jnp.bfloat16] * 2 and [float(r) for r in rows] == [1.0, 2.0]
         out = jax.jit(lambda w: np.ones(2, np.float32) * w)(w)  # numpy on the left defers, traceable
         assert out.dtype == jnp.float32 and out.tolist() == [1.0, 2.0]
+
+
+def test_an_uninitialized_wrapped_variable_reports_its_cast_value_type():
+    # Its Variable's value is a ShapeDtypeStruct (a restore template); the cast read raised AttributeError.
+    w = varstate.AutoCastVariable(varstate.uninitialized((2, 3), jnp.float32, name="template"))
+    with varstate.autocast(jnp.float16):
+        assert w.value == jax.ShapeDtypeStruct((2, 3), jnp.float16)
+    assert w.value == jax.ShapeDtypeStruct((2, 3), jnp.float32)

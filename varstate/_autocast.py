@@ -137,7 +137,11 @@ class AutoCastVariable:
         """The value, cast to the autocast dtype inside `autocast`."""
         value = self._variable.value
         dtype = _cast_dtype()
-        return value if dtype is None or dtype == value.dtype else value.astype(dtype)
+        if dtype is None or dtype == value.dtype:
+            return value
+        if isinstance(value, jax.ShapeDtypeStruct):  # uninitialized: the type a read will have
+            return jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
+        return value.astype(dtype)
 
     def read_value(self) -> Any:
         """As `value`; ValueError if the variable is uninitialized."""
