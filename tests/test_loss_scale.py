@@ -188,3 +188,25 @@ def test_good_steps_is_int64_with_x64_as_keras_and_the_readme_say():
         assert state.non_slot("good_steps").dtype == jnp.int64
     state = LossScaleOptimizer(GradientDescent(0.1)).init([varstate.Variable(jnp.ones(2), name="ls_x32")])
     assert state.non_slot("good_steps").dtype == jnp.int32
+
+
+def test_with_mesh_sharded_params_its_variables_are_replicated_and_a_restored_state_steps(tmp_path):
+    # current_loss_scale/good_steps lived on device 0 (the base optimizer replicates its non-slots over
+    # the first variable's mesh); restored committed there, the next step failed ("incompatible devices").
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    opt = LossScaleOptimizer(Adam(0.1), initial_scale=8.0)
+
+    def fresh():
+        return {"w": varstate.Variable(jax.device_put(jnp.ones(16), sharding), name="ls_mesh")}
+
+    params = fresh()
+    state = opt.init(params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert all(state.non_slot(n).sharding.is_equivalent_to(replicated, 0) for n in ("current_loss_scale", "good_steps"))
+    params, state = opt.apply_gradients({"w": jnp.ones(16)}, params, state)
+    path = checkpoint.Checkpoint(model=params, optimizer=state).write(str(tmp_path / "ckpt"))
+    template = fresh()
+    status = checkpoint.Checkpoint(model=template, optimizer=opt.init(template)).restore(path)
+    params, state = opt.apply_gradients({"w": jnp.ones(16)}, status.model, status.optimizer)
+    assert state.non_slot("good_steps").value.item() == 2

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable
-from varstate.optimizers._base import Optimizer
+from varstate.optimizers._base import Optimizer, _scalar_placement
 from varstate.optimizers._state import OptimizerState
 
 _SCALE, _GOOD = "current_loss_scale", "good_steps"  # Keras's variable names (checkpoint keys)
@@ -107,10 +107,13 @@ class LossScaleOptimizer(Optimizer):
         first = next((p for p in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Variable))
                       if isinstance(p, Variable)), None)
         registry = first.handle.registry if first is not None else None
+        placement = _scalar_placement(first)  # with the inner optimizer's non-slots
         non_slots = dict(state.non_slots)
-        non_slots[_SCALE] = Variable(jnp.float32(self.initial_scale), name=_SCALE, trainable=False, registry=registry)
+        scale = jnp.asarray(self.initial_scale, jnp.float32, device=placement)
+        non_slots[_SCALE] = Variable(scale, name=_SCALE, trainable=False, registry=registry)
         good_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32  # Keras: int64
-        non_slots[_GOOD] = Variable(jnp.zeros((), good_dtype), name=_GOOD, trainable=False, registry=registry)
+        good = jnp.zeros((), good_dtype, device=placement)
+        non_slots[_GOOD] = Variable(good, name=_GOOD, trainable=False, registry=registry)
         return OptimizerState(slots=state.slots, non_slots=non_slots)
 
     def loss_scale(self, state: OptimizerState) -> Any:
