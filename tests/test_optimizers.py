@@ -564,3 +564,25 @@ def test_tied_dense_and_sparse_gradients_under_jit_drop_a_negative_index():
     grads = {"a": jnp.ones(3), "b": IndexedSlices(jnp.array([5.0]), jnp.array([-1]), (3,))}
     new, _ = jax.jit(opt.update)(grads, params, opt.init(params))
     assert new["a"].value.tolist() == [-1.0, -1.0, -1.0]
+
+
+def test_from_optax_with_mesh_sharded_params_a_restored_state_steps(tmp_path):
+    # optax's `count` was left on device 0; restored committed there, the next step failed
+    # ("incompatible devices"). Non-slots are replicated over the first variable's mesh, as the base's.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    opt = from_optax(optax.adam(0.1))
+
+    def fresh():
+        return {"w": Variable(jax.device_put(jnp.ones(16), sharding), name="optax_mesh")}
+
+    params = fresh()
+    state = opt.init(params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert state.non_slot("count").sharding.is_equivalent_to(replicated, 0)
+    params, state = opt.apply_gradients({"w": jnp.ones(16)}, params, state)
+    path = checkpoint.Checkpoint(model=params, optimizer=state).write(str(tmp_path / "ckpt"))
+    template = fresh()
+    status = checkpoint.Checkpoint(model=template, optimizer=opt.init(template)).restore(path)
+    params, state = opt.apply_gradients({"w": jnp.ones(16)}, status.model, status.optimizer)
+    assert state.non_slot("count").value.item() == 2

@@ -18,6 +18,7 @@ from varstate.optimizers._base import (
     _is_var,
     _label,
     _owners,
+    _scalar_placement,
     _value,
 )
 from varstate.optimizers._state import OptimizerState
@@ -86,6 +87,8 @@ class _OptaxOptimizer(Optimizer):
                 ]
                 slots[name] = p_def.unflatten([made[i] for i in _owners(p_leaves)])
             else:
+                placement = _scalar_placement(first)  # replicated over the first variable's mesh, as the base's
+                part = part if placement is None else jax.device_put(part, placement)
                 non_slots[name] = Variable(part, name=name, trainable=False, registry=registry)
         return OptimizerState(slots=slots, non_slots=non_slots)
 
