@@ -295,3 +295,18 @@ def test_a_python_float_into_an_integer_variable_is_refused_not_truncated(reg):
         Variable([1, 1.5], name="n", dtype=jnp.int32, registry=reg)
     assert iv.assign_add(2).value.item() == 3 and iv.assign(4.0).value.item() == 4  # whole numbers convert
     assert Variable(1, dtype=jnp.float32, registry=reg).value.item() == 1.0
+
+
+def test_assign_converts_a_numpy_array_of_the_same_kind_as_tf_does(reg):
+    # TF converts a numpy value to the variable's dtype (np.random's float64 into a float32 variable);
+    # a jax array of another dtype (a TF tensor) and a lossy kind change are still refused.
+    v = Variable(jnp.zeros(2), name="kernel", registry=reg)
+    new = v.assign(np.array([0.1, 0.2]))
+    assert new.dtype == jnp.float32 and new.value.tolist() == np.array([0.1, 0.2], np.float32).tolist()
+    assert v.assign_add(np.arange(2)).value.tolist() == [0.0, 1.0]
+    with pytest.raises(TypeError, match=r"'kernel'.assign: dtype mismatch: the variable is float32, the value is "
+                                        r"complex128. Cast it first"):
+        v.assign(np.array([1j, 0j]))
+    iv = Variable(jnp.zeros(2, jnp.int32), name="ids", registry=reg)
+    with pytest.raises(TypeError, match=r"'ids'.assign: dtype mismatch: the variable is int32, the value is float64"):
+        iv.assign(np.array([1.5, 2.0]))

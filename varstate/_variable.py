@@ -311,6 +311,8 @@ class Variable:
             raise TypeError(
                 f"Variable {self.name!r}.{op}: expected an array, got {type(value).__name__}."
             )
+        elif isinstance(value, (np.ndarray, np.generic)) and np.can_cast(value.dtype, dtype, "same_kind"):
+            value = jnp.asarray(value, dtype)  # as TF converts a numpy value (float64 -> float32)
         elif value.dtype != dtype:
             raise TypeError(
                 f"Variable {self.name!r}.{op}: dtype mismatch: the variable is {dtype}, "
