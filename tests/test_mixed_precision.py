@@ -97,3 +97,10 @@ def test_bf16_training_tracks_float32():
     # Stated tolerance: at every step the bf16 loss is within 0.005 (absolute; the loss starts near 0.86)
     # or 5% of the float32 loss (measured: at most 0.0009 apart).
     np.testing.assert_allclose(bf16, f32, rtol=0.05, atol=0.005)
+
+
+@pytest.mark.parametrize(("alias", "dtype"), [("float", "float32"), ("half", "float16"), ("double", "float64")])
+def test_policy_accepts_tfs_dtype_aliases(alias, dtype):
+    # TF names the policy's dtypes with tf.as_dtype(name).name: "float" is float32 (numpy's would be float64).
+    p = mixed_precision.Policy(alias)
+    assert (p.name, p.compute_dtype, p.variable_dtype) == (alias, dtype, dtype)

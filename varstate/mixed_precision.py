@@ -27,6 +27,10 @@ _REMOVED = {
 }
 
 
+# TF's dtype names that are not numpy's (numpy reads "float" as float64).
+_TF_ALIASES = {"float": "float32", "half": "float16", "double": "float64"}
+
+
 class Policy:
     """A dtype policy (TF's `tf.keras.mixed_precision.Policy`): compute and variable dtypes by name.
 
@@ -83,6 +87,8 @@ def _parse(name: str) -> tuple[str, str]:
         return "float16", "float32"
     if name == "mixed_bfloat16":
         return "bfloat16", "float32"
+    if name in _TF_ALIASES:
+        return _TF_ALIASES[name], _TF_ALIASES[name]
     try:
         dtype = jnp.dtype(name)
     except TypeError:
