@@ -586,3 +586,24 @@ def test_from_optax_with_mesh_sharded_params_a_restored_state_steps(tmp_path):
     status = checkpoint.Checkpoint(model=template, optimizer=opt.init(template)).restore(path)
     params, state = opt.apply_gradients({"w": jnp.ones(16)}, status.model, status.optimizer)
     assert state.non_slot("count").value.item() == 2
+
+
+def test_apply_gradients_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    w = Variable(jnp.zeros(2), name="w")
+    opt = GradientDescent(0.1)
+    params, state = {"w": w}, opt.init({"w": w})
+    assert gc.isenabled()
+    params, state = opt.apply_gradients({"w": jnp.ones(2)}, params, state)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        params, state = opt.apply_gradients({"w": jnp.ones(2)}, params, state)
+        assert not gc.isenabled()
+        with pytest.raises(TypeError, match="must be convertible to a Tensor or IndexedSlices"):
+            opt.apply_gradients({"w": "text"}, params, state)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    np.testing.assert_allclose(params["w"].value, [-0.2, -0.2])

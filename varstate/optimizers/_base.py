@@ -11,6 +11,7 @@ then `_finish` updates the non-slot variables once (Adam's beta powers).
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -418,11 +419,19 @@ class Optimizer:
             params, state = _commit((params, state))
             if len(_SEEN) < 4096:
                 _SEEN.add(key)
+        # Unflattening the outputs allocates one Python object per Variable (3,000 for Adam over
+        # 1,000 params); with the collector on, that is several collections per step, each also
+        # running jax's collection hook. Deferred to the end of the step, it is one.
+        collect = gc.isenabled()
+        gc.disable()
         try:
             return _jitted_update(self, grads, params, state, step)
         except TypeError:
             _validate_grads(grads, params)  # TF's message for a gradient jit cannot take (e.g. a string)
             raise
+        finally:
+            if collect:
+                gc.enable()
 
 
 def _validate_grads(grads: Any, params: Any) -> None:
