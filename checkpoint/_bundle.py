@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from checkpoint._table import CheckpointFormatError, crc32c, mask, read_table, write_table
+from checkpoint._table import CheckpointFormatError, _varint, crc32c, mask, read_table, write_table
 from checkpoint.protos import tensor_bundle_pb2, tensor_shape_pb2, types_pb2
 
 __all__ = ["BundleReader", "data_filename", "write_bundle"]
@@ -91,18 +91,6 @@ def slice_key(name: bytes, extents: list[tuple[int, int]]) -> bytes:
     for start, length in extents:
         key += _signed_num_increasing(start) + _signed_num_increasing(length)
     return key
-
-
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    result = shift = 0
-    while pos < end and shift < 70:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-    raise ValueError("bad length varint")
 
 
 def _close_all(fds: dict) -> None:
@@ -342,7 +330,7 @@ class BundleReader:
         lengths, pos = [], 0
         try:
             for _ in range(count):
-                n, pos = _varint(raw, pos, len(raw))
+                n, pos = _varint(raw, pos, len(raw), 70, "string length")
                 if n > len(raw):  # a length "of terabytes" in a few bytes
                     raise ValueError
                 lengths.append(n)
