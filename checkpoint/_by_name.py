@@ -186,7 +186,18 @@ def _convert(value: np.ndarray, want: np.dtype, name: str, key: str) -> np.ndarr
                 f"{name!r} ({want}; JAX's 64-bit types are disabled): enable them with "
                 "jax.config.update('jax_enable_x64', True)."
             )
-    return value.astype(want)
+    with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+        out = value.astype(want)
+    if np.issubdtype(value.dtype, np.inexact) and value.size:
+        # float64 -> float32 turns values beyond float32's range into inf: refuse, as for integers.
+        lost = np.isfinite(value) & ~np.isfinite(out)
+        if lost.any():
+            raise ValueError(
+                f"Tensor {key!r} ({value.dtype}) holds {value[lost].flat[0]}, out of range for variable "
+                f"{name!r} ({want}; JAX's 64-bit types are disabled): enable them with "
+                "jax.config.update('jax_enable_x64', True)."
+            )
+    return out
 
 
 def restore_by_name(

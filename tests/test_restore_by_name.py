@@ -188,6 +188,16 @@ def test_int64_out_of_32_bit_range_is_an_error(tmp_path):
     assert int(_restore_from(tmp_path / "b", {"global_step": np.array(-7, np.int64)}, step).params.value) == -7
 
 
+def test_float64_beyond_float32_range_is_an_error(tmp_path):
+    w = varstate.Variable(jnp.zeros(3), name="w", registry=varstate.Registry())
+    with pytest.raises(ValueError, match=r"Tensor 'w' \(float64\) holds 1e\+300, out of range for variable 'w' "
+                                         r"\(float32; .*jax_enable_x64"):
+        _restore_from(tmp_path / "a", {"w": np.array([1.0, 1e300, 2.0])}, w)
+    # Values within range, and infinities and NaNs that were already there, restore.
+    got = _restore_from(tmp_path / "b", {"w": np.array([0.5, np.inf, np.nan])}, w).params.value
+    np.testing.assert_array_equal(np.asarray(got), np.array([0.5, np.inf, np.nan], np.float32))
+
+
 def test_bad_assignment_maps():
     params = make({"enc/w": {"shape": [4, 2], "dtype": "float32"}})
     with pytest.raises(TypeError, match=r"assignment_map must be a dict or a list of .* pairs, got int"):
