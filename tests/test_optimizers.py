@@ -607,3 +607,13 @@ def test_apply_gradients_leaves_the_garbage_collector_as_it_found_it():
     finally:
         gc.enable()
     np.testing.assert_allclose(params["w"].value, [-0.2, -0.2])
+
+
+def test_get_slot_of_a_plain_array_param_says_where_its_slot_is():
+    params = {"w": jnp.zeros(2)}
+    state = Adam(0.1).init(params)
+    with pytest.raises(TypeError, match=r"get_slot finds slots by their variable's identity; got ArrayImpl, which has "
+                                        r"none. A plain-array param's slot sits at the param's position in "
+                                        r"state.slots\['m'\]"):
+        state.get_slot(params["w"], "m")
+    np.testing.assert_array_equal(state.slots["m"]["w"], np.zeros(2))

@@ -43,6 +43,11 @@ class OptimizerState:
         tree = self.slots.get(name)
         if tree is None:
             return None
+        if not isinstance(var, Variable):
+            raise TypeError(
+                f"get_slot finds slots by their variable's identity; got {type(var).__name__}, which has none. "
+                f"A plain-array param's slot sits at the param's position in state.slots[{name!r}]."
+            )
         rid = var.resource_id
         for slot in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Variable)):
             if isinstance(slot, Variable) and slot.handle.slot_of == rid:
