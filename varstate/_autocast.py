@@ -14,7 +14,6 @@ inside `call`.
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
-from varstate._variable import Variable
+from varstate._variable import Variable, _ArrayOps, _unwrap
 
 _state = threading.local()
 
@@ -68,13 +67,7 @@ def _wrap(variable: Variable) -> AutoCastVariable:
     return out
 
 
-def _unwrap(x: Any) -> Any:
-    if isinstance(x, AutoCastVariable):
-        return x.value
-    return x.value if isinstance(x, Variable) else x
-
-
-class AutoCastVariable:
+class AutoCastVariable(_ArrayOps):
     """A floating-point Variable whose reads are cast to the `autocast` dtype (TF's `AutoCastVariable`).
 
     Outside `autocast` it behaves as the wrapped Variable. Inside, `value`,
@@ -97,8 +90,6 @@ class AutoCastVariable:
 
     __slots__ = ("_variable",)
     _should_act_as_resource_variable = True
-    __hash__ = None  # type: ignore[assignment]  # elementwise __eq__, as Variable
-    __array_priority__ = 100  # numpy defers to our reflected operators, as for Variable
 
     def __init__(self, variable: Variable) -> None:
         if not isinstance(variable, Variable):
@@ -181,56 +172,14 @@ class AutoCastVariable:
     def _with_value(self, value: Any) -> AutoCastVariable:
         return _wrap(self._variable._with_value(value))
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.asarray(self.read_value(), dtype=dtype)
-        return out.copy() if copy else out
-
-    def __getitem__(self, idx: Any) -> Any:
-        return self.read_value()[idx]
-
-    def __iter__(self) -> Any:
-        return iter(self.read_value())  # not through __getitem__: jax clamps, so that never stops
-
     def __len__(self) -> int:
         return len(self._variable)
-
-    def __bool__(self) -> bool:
-        return bool(self.read_value())
-
-    def __float__(self) -> float:
-        return float(self.read_value())
-
-    def astype(self, dtype: Any) -> Any:
-        return self.read_value().astype(dtype)
-
-    @property
-    def T(self) -> Any:  # noqa: N802 - numpy's name
-        return self.read_value().T
 
     def __repr__(self) -> str:
         v = self._variable
         return (f"<AutoCastVariable {v.name!r} shape={v.shape} dtype={v.dtype} "
                 f"dtype_to_cast_to={self.dtype} inner_variable={v!r}>")
 
-
-def _binary(op: Any, reflected: bool = False) -> Any:
-    if reflected:
-        return lambda self, other: op(_unwrap(other), self.read_value())
-    return lambda self, other: op(self.read_value(), _unwrap(other))
-
-
-for _name, _op in {
-    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
-    "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "matmul": operator.matmul,
-}.items():
-    setattr(AutoCastVariable, f"__{_name}__", _binary(_op))
-    setattr(AutoCastVariable, f"__r{_name}__", _binary(_op, reflected=True))
-for _name, _op in {
-    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq, "ne": operator.ne,
-}.items():
-    setattr(AutoCastVariable, f"__{_name}__", _binary(_op))
-for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}.items():
-    setattr(AutoCastVariable, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
 
 _KEY = jax.tree_util.GetAttrKey("_variable")
 jax.tree_util.register_pytree_with_keys(

@@ -116,9 +116,47 @@ _read_hook = None
 
 
 def _unwrap(x: Any) -> Any:
-    if not isinstance(x, Variable):
-        return x
-    return x._value if _read_hook is None else _read_hook(x)
+    return x.value if isinstance(x, _ArrayOps) else x
+
+
+class _ArrayOps:
+    """Operators and numpy's array protocol on `self.read_value()`: shared by Variable and AutoCastVariable."""
+
+    __slots__ = ()
+    # Elementwise __eq__ makes variables unhashable, as in TF; use `ref()`.
+    __hash__ = None  # type: ignore[assignment]
+    # Above numpy's: `np_array * v` calls our __rmul__ (a jax value, traceable) instead of __array__.
+    __array_priority__ = 100
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.asarray(self.read_value(), dtype=dtype)
+        return out.copy() if copy else out
+
+    def __getitem__(self, idx: Any) -> Any:
+        return self.read_value()[idx]
+
+    def __iter__(self) -> Any:
+        # Without it Python iterates through __getitem__, which jax clamps: it never stops.
+        return iter(self.read_value())
+
+    def __bool__(self) -> bool:
+        return bool(self.read_value())
+
+    def __float__(self) -> float:
+        return float(self.read_value())
+
+    def __int__(self) -> int:
+        return int(self.read_value())
+
+    def __index__(self) -> int:
+        return operator.index(self.read_value())
+
+    def astype(self, dtype: Any) -> Any:
+        return self.read_value().astype(dtype)
+
+    @property
+    def T(self) -> Any:  # noqa: N802 - numpy's name
+        return self.read_value().T
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, list, tuple)
@@ -149,7 +187,7 @@ def _as_value(value: Any, dtype: Any, what: str) -> Any:
     return out
 
 
-class Variable:
+class Variable(_ArrayOps):
     """A TF resource variable as an immutable JAX pytree.
 
     The value is the only pytree child; the `ResourceHandle` (id, name,
@@ -164,10 +202,6 @@ class Variable:
     """
 
     __slots__ = ("_handle", "_value")
-    # Elementwise __eq__ makes variables unhashable, as in TF; use `ref()`.
-    __hash__ = None  # type: ignore[assignment]
-    # Above numpy's: `np_array * v` calls our __rmul__ (a jax value, traceable) instead of __array__.
-    __array_priority__ = 100
 
     def __init__(
         self,
@@ -402,41 +436,10 @@ class Variable:
         """Overwrites `IndexedSlices` rows in a new version."""
         return self._scatter(sparse_delta, "scatter_update")
 
-    # --- array protocol -----------------------------------------------------
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.asarray(self.read_value(), dtype=dtype)
-        return out.copy() if copy else out
-
-    def __getitem__(self, idx: Any) -> Any:
-        return self.read_value()[idx]
-
-    def __iter__(self) -> Any:
-        # Without it Python iterates through __getitem__, which jax clamps: it never stops.
-        return iter(self.read_value())
-
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError(f"len() of a scalar Variable {self.name!r}")
         return self.shape[0]
-
-    def __bool__(self) -> bool:
-        return bool(self.read_value())
-
-    def __float__(self) -> float:
-        return float(self.read_value())
-
-    def __int__(self) -> int:
-        return int(self.read_value())
-
-    def __index__(self) -> int:
-        return operator.index(self.read_value())
-
-    def astype(self, dtype: Any) -> Any:
-        return self.read_value().astype(dtype)
-
-    @property
-    def T(self) -> Any:  # noqa: N802 - numpy's name
-        return self.read_value().T
 
     def __repr__(self) -> str:
         head = f"<varstate.Variable {self.name!r} shape={self.shape} dtype={self.dtype}"
@@ -463,15 +466,15 @@ for _name, _op in {
     "and": operator.and_, "or": operator.or_, "xor": operator.xor,
     "lshift": operator.lshift, "rshift": operator.rshift,
 }.items():
-    setattr(Variable, f"__{_name}__", _binary(_op))
-    setattr(Variable, f"__r{_name}__", _binary(_op, reflected=True))
+    setattr(_ArrayOps, f"__{_name}__", _binary(_op))
+    setattr(_ArrayOps, f"__r{_name}__", _binary(_op, reflected=True))
 for _name, _op in {
     "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
     "eq": operator.eq, "ne": operator.ne,
 }.items():
-    setattr(Variable, f"__{_name}__", _binary(_op))
+    setattr(_ArrayOps, f"__{_name}__", _binary(_op))
 for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs, "invert": operator.invert}.items():
-    setattr(Variable, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
+    setattr(_ArrayOps, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
 
 
 def make_slot(primary: Variable, slot_name: str, value: Any) -> Variable:
