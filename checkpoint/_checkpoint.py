@@ -35,6 +35,8 @@ def _values(graph: _graph.Graph) -> dict[str, Any]:
         else:
             var = _graph.as_variable(obj)
             out[s.key] = _initialized(s.key, var.value if var is not None else obj)
+            if var is not None and var.handle.saved_dtype not in (None, var.dtype):
+                out[s.key] = np.asarray(jax.device_get(out[s.key])).astype(var.handle.saved_dtype)
             if isinstance(out[s.key], jax.Array) and jax.dtypes.issubdtype(out[s.key].dtype, jax.dtypes.prng_key):
                 raise TypeError(
                     f"Cannot save {s.key!r}: a PRNG key array ({out[s.key].dtype}) has no storable dtype. Save "

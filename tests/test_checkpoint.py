@@ -708,6 +708,23 @@ def test_64_bit_values_restore_into_jaxs_32_bit_variables(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_global_step_is_saved_as_tfs_int64_and_restores_into_jaxs_int32(tmp_path, fmt):
+    # TF restores a checkpoint's global_step into its own int64 variable and refuses an int32 one, so the step
+    # is stored as int64 whatever width JAX gives the value.
+    assert not jax.config.jax_enable_x64
+    step = varstate.get_or_create_global_step().assign(41)
+    other = varstate.Variable(jnp.int32(5), name="count")  # a plain int32 variable stays int32
+    path = checkpoint.Checkpoint(step=step, count=other).write(str(tmp_path / "c"), format=fmt)
+    reader = checkpoint.read_checkpoint(path)
+    assert np.dtype(reader.dtype("step/.ATTRIBUTES/VARIABLE_VALUE")) == np.int64
+    assert np.dtype(reader.dtype("count/.ATTRIBUTES/VARIABLE_VALUE")) == np.int32
+    assert np.asarray(reader.get("step/.ATTRIBUTES/VARIABLE_VALUE")).item() == 41
+    fresh = varstate.get_or_create_global_step(varstate.Registry())
+    got = checkpoint.Checkpoint(step=fresh).restore(path).expect_partial().step
+    assert (got.dtype, int(got), got.resource_id) == (jnp.int32, 41, fresh.resource_id)
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
 def test_uninitialized_values_cannot_be_saved_in_either_format(tmp_path, fmt):
     shards = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                           varstate.PartitionedVariable(jnp.zeros((6, 2)), name="emb", num_shards=2))

@@ -15,8 +15,10 @@ from varstate._variable import Variable
 def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     """The registry's global step, created (value 0) on first use.
 
-    The dtype is int64 when `jax_enable_x64` is on, else int32 (JAX's widest
-    default integer); TF format checkpoints store it as TF does. The variable
+    TF's global step is int64. JAX holds int64 only when `jax_enable_x64` is
+    on; otherwise the value is int32 (JAX's widest integer then), and
+    checkpoints still store it as int64, so TF restores it into its own
+    global step and it restores back (with a range check). The variable
     returned is the version created first: a training loop threads its own
     updated versions, the registry only keeps the identity.
 
@@ -32,6 +34,7 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
         if existing is None:
             dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
             existing = Variable(jnp.zeros((), dtype), name="global_step", trainable=False, registry=registry)
+            existing.handle.saved_dtype = np.dtype(np.int64)
             # The registry holds the global step strongly, as TF's collection does.
             registry._global_step = existing
         return existing

@@ -70,7 +70,9 @@ class ResourceHandle:
 
     Static pytree data: equality and hash are object identity (C level).
     Attributes are fixed at creation; `slot_of`/`slot_name` link an optimizer
-    slot to its primary's resource id.
+    slot to its primary's resource id; `saved_dtype`, when not None, is the
+    dtype checkpoints store instead of the value's (TF's int64 global step
+    while JAX's 64-bit types are off).
 
     >>> import varstate
     >>> v = varstate.Variable(1.0, name="w")
@@ -85,6 +87,7 @@ class ResourceHandle:
         "registry",
         "resource_id",
         "save_slice_info",
+        "saved_dtype",
         "slot_name",
         "slot_of",
         "synchronization",
@@ -253,6 +256,7 @@ class Variable(_ArrayOps):
         h.save_slice_info = save_slice_info
         h.slot_of = None
         h.slot_name = None
+        h.saved_dtype = None
         h.registry = registry
         h.name = registry._register(h, base)
         self._value = value

@@ -190,7 +190,8 @@ def restore_ours_checkpoint(expected: dict) -> None:
     model.kernel = tf.Variable(tf.zeros((3, 2)))
     model.bias = tf.Variable(tf.zeros(2))
     opt = tf.compat.v1.train.AdamOptimizer(0.1)
-    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    step = tf.compat.v1.train.get_or_create_global_step()  # int64: TF refuses to restore an int32 into it
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt, step=step)
     status = ckpt.restore(tf.train.latest_checkpoint(directory))
     status.assert_existing_objects_matched()
     opt._create_slots([model.kernel, model.bias])
@@ -200,6 +201,7 @@ def restore_ours_checkpoint(expected: dict) -> None:
         "model/kernel/.OPTIMIZER_SLOT/optimizer/m": opt.get_slot(model.kernel, "m"),
         "model/bias/.OPTIMIZER_SLOT/optimizer/v": opt.get_slot(model.bias, "v"),
         "optimizer/beta1_power": opt._get_beta_accumulators()[0], "save_counter": ckpt.save_counter,
+        "step": step,
     }
     expected["ours_checkpoint"]["restored_by_tf"] = {
         k: [v.dtype.name, np.asarray(v.numpy()).tobytes().hex()] for k, v in restored.items()

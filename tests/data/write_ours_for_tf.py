@@ -9,7 +9,8 @@ TensorFlow venv), which restores these with TF and records what TF saw:
 Writes under tests/data/tf_checkpoints/:
   ours_bundle/      `write_bundle` with a hand-built TrackableObjectGraph: every dtype, a list, a dict
                     key that needs escaping, TF v1 Adam slots and non-slots, save_counter.
-  ours_checkpoint/  `checkpoint.Checkpoint(model=..., optimizer=<varstate Adam state>).save(format="tf")`.
+  ours_checkpoint/  `checkpoint.Checkpoint(model=..., optimizer=<varstate Adam state>, step=<global
+                    step>).save(format="tf")`.
   ours_many/        `write_bundle` of 5,000 scalars under keys that share no prefix: an index of two blocks
                     (TF cuts a block at 256 KiB), so TF checks our index block's separator keys.
 """
@@ -117,7 +118,10 @@ def ours_checkpoint(directory: str) -> str:
     for step in range(2):
         grads = {"kernel": jnp.full((3, 2), 0.5 + step), "bias": jnp.array([1.0, -2.0])}
         model, state = opt.apply_gradients(grads, model, state)
-    return checkpoint.Checkpoint(model=model, optimizer=state).save(os.path.join(directory, "ckpt"), format="tf")
+    step = varstate.get_or_create_global_step(reg).assign(2)  # int32 in JAX, saved as TF's int64
+    return checkpoint.Checkpoint(model=model, optimizer=state, step=step).save(
+        os.path.join(directory, "ckpt"), format="tf"
+    )
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable
@@ -39,8 +40,9 @@ class LossScaleOptimizer(Optimizer):
     halves the scale (not below 1); after ``growth_interval`` consecutive
     finite steps the scale doubles (unless that overflows). The state is the
     inner `OptimizerState` plus the non-slot variables ``current_loss_scale``
-    (float32) and ``good_steps`` (int64 with ``jax_enable_x64``, else int32), so it checkpoints like any optimizer
-    state. With ``dynamic=False`` the scale is the fixed ``initial_scale``.
+    (float32) and ``good_steps`` (int64 with ``jax_enable_x64``, else int32;
+    saved as int64 either way), so it checkpoints like any optimizer state.
+    With ``dynamic=False`` the scale is the fixed ``initial_scale``.
 
     Errors as Keras: TypeError for an inner object that is not an Optimizer,
     a non-bool ``dynamic`` or a nested LossScaleOptimizer; ValueError for
@@ -114,6 +116,7 @@ class LossScaleOptimizer(Optimizer):
         good_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32  # Keras: int64
         good = jnp.zeros((), good_dtype, device=placement)
         non_slots[_GOOD] = Variable(good, name=_GOOD, trainable=False, registry=registry)
+        non_slots[_GOOD].handle.saved_dtype = np.dtype(np.int64)  # Keras restores only an int64 good_steps
         return OptimizerState(slots=state.slots, non_slots=non_slots)
 
     def loss_scale(self, state: OptimizerState) -> Any:
