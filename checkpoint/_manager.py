@@ -65,7 +65,10 @@ class CheckpointManager:
     state file once committed. With ``async_save=True`` it returns as soon
     as the values are copied off the arrays (later updates, even donated
     ones, do not change what is saved); `wait_until_finished()` waits for the
-    commit. Leftovers of a save that crashed are removed on construction.
+    commit. Leftovers of a save that crashed are removed by the first `save`;
+    a manager that only restores (an evaluator beside the trainer) deletes
+    nothing, so it never breaks a save in progress. One process saves to a
+    directory at a time, as with TF's and orbax's managers.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
@@ -99,10 +102,7 @@ class CheckpointManager:
         self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
         self._name = checkpoint_name
         os.makedirs(self.directory, exist_ok=True)
-        for entry in os.listdir(self.directory):
-            if _TMP_MARK in entry or entry.startswith(f".{STATE_FILE}.tmp-"):
-                target = os.path.join(self.directory, entry)
-                shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+        self._cleaned = False
         state = read_checkpoint_state(self.directory)
         listed = state.all_model_checkpoint_paths if state is not None else []
         # In the state file's order, oldest saved first (not by step number), as TF's manager recovers it.
@@ -136,6 +136,8 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"CheckpointManager.save: step must be >= 0, got {step}.")
         self.wait_until_finished()
+        if not self._cleaned:
+            self._remove_leftovers()
         ckpt = Checkpoint(**roots)
         ckpt.save_counter, ckpt._counter_tracked = step, True
         path = self._path(step)
@@ -153,6 +155,15 @@ class CheckpointManager:
         else:
             self._commit(step)
         return path
+
+    def _remove_leftovers(self) -> None:
+        # Done by the first save, not on construction: a manager that only restores (an evaluator
+        # beside the trainer) must never delete a save that is still being written.
+        for entry in os.listdir(self.directory):
+            if _TMP_MARK in entry or entry.startswith(f".{STATE_FILE}.tmp-"):
+                target = os.path.join(self.directory, entry)
+                shutil.rmtree(target, ignore_errors=True) if os.path.isdir(target) else os.remove(target)
+        self._cleaned = True
 
     def _finish(self, step: int) -> None:
         try:

@@ -81,14 +81,20 @@ def test_keep_every_n_steps_preserves_checkpoints_outside_the_kept_list(tmp_path
     assert restored["w"].value.tolist() == [2.0] * 3
 
 
-def test_leftovers_of_a_crashed_save_are_removed(tmp_path):
+def test_leftovers_of_a_crashed_save_are_removed_by_the_next_save_only(tmp_path):
     mgr = checkpoint.CheckpointManager(str(tmp_path))
     mgr.save(1, m=model(1))
     leftover = tmp_path / "ckpt-2.orbax-checkpoint-tmp-1234"
     (leftover / "values").mkdir(parents=True)
     (tmp_path / ".checkpoint.tmp-1-2").write_text("half")
-    checkpoint.CheckpointManager(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1"]
+    # An evaluator's manager beside a trainer that is saving: it must not touch the save in progress.
+    reader = checkpoint.CheckpointManager(str(tmp_path))
+    assert reader.latest_checkpoint == str(tmp_path / "ckpt-1")
+    assert reader.restore(m=model(0)).m["w"].value.tolist() == [1.0] * 3
+    assert sorted(os.listdir(tmp_path)) == [".checkpoint.tmp-1-2", "checkpoint", "ckpt-1", leftover.name]
+    writer = checkpoint.CheckpointManager(str(tmp_path))
+    writer.save(3, m=model(3))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1", "ckpt-3"]
 
 
 def test_async_save_commits_in_the_background(tmp_path):
