@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
+from typing import IO
 
 import ml_dtypes
 import numpy as np
@@ -421,13 +422,35 @@ def _encode_strings(key: str, arr: np.ndarray) -> tuple[bytes, int]:
     return bytes(lengths) + checksum + strings, crc32c(strings, crc32c(checksum, crc32c(packed)))
 
 
+def _sync(f: IO[bytes]) -> None:
+    # On disk before the rename that publishes it: after a power loss the checkpoint state file
+    # (fsynced too) never names a checkpoint whose bytes were still in the page cache, when the
+    # manager may already have deleted the one before it.
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _sync_directory(directory: str) -> None:
+    """Makes the renames in `directory` durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the data files are synced already
+    finally:
+        os.close(fd)
+
+
 def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, np.ndarray | bytes]) -> None:
     """Writes `tensors` as the TensorBundle `prefix.index` + `prefix.data-00000-of-00001`.
 
     A `bytes` (or `str`) value is a scalar string; object, bytes_ and str_
-    arrays are string tensors. Both files are written under temporary names
-    and renamed into place, data first: a crash never leaves a readable half
-    checkpoint.
+    arrays are string tensors. Both files are written under temporary names,
+    synced to disk and renamed into place, data first: a crash or a power loss
+    never leaves a readable half checkpoint.
     """
     prefix = os.fspath(prefix)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
@@ -459,11 +482,14 @@ def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, np.ndarray | b
                 entry.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape)
                 items.append((name, entry))
                 offset += size
+            _sync(f)
         index = write_table((k, v.SerializeToString()) for k, v in items)
         with open(prefix + ".index" + temp, "wb") as f:
             f.write(index)
+            _sync(f)
         os.replace(data_path + temp, data_path)
         os.replace(prefix + ".index" + temp, prefix + ".index")
+        _sync_directory(os.path.dirname(os.path.abspath(prefix)))
     finally:
         for path in (data_path + temp, prefix + ".index" + temp):
             if os.path.exists(path):

@@ -202,6 +202,29 @@ def test_write_is_atomic(tmp_path, monkeypatch):
         BundleReader(prefix)
 
 
+def test_both_files_reach_the_disk_before_they_are_renamed_into_place(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_bundle(tmp_path / "ckpt", {"a": np.arange(3.0)})
+    synced = [name.split(".tempstate")[0] for kind, name in events[:2]]
+    assert [kind for kind, _ in events] == ["fsync", "fsync", "rename", "rename", "fsync"]
+    assert synced == ["ckpt.data-00000-of-00001", "ckpt.index"]
+    assert events[2:] == [("rename", "ckpt.data-00000-of-00001"), ("rename", "ckpt.index"),
+                          ("fsync", tmp_path.name)]  # the directory: the renames are durable too
+    assert BundleReader(tmp_path / "ckpt").get("a").tolist() == [0.0, 1.0, 2.0]
+
+
 @pytest.mark.parametrize(
     "tensors, error, message",
     [
