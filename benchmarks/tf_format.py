@@ -4,8 +4,9 @@
 
 Reading: open the checkpoint and read every tensor into a dict, checksums verified, vs
 ``np.fromfile`` of each tensor's bytes at offsets known in advance. Writing: ``write_bundle``
-(data, crc32c, index, renames) vs ``ndarray.tofile`` of each tensor into one file; both write
-new files (the previous run's are deleted, untimed). Files stay in the page cache; each figure
+(data, crc32c, index, fsyncs, renames) vs ``ndarray.tofile`` of each tensor into one file then
+an fsync (a write is not safe before its bytes are on disk; tensorstore, under orbax, syncs
+too); both write new files (the previous run's are deleted, untimed). Files stay in the page cache; each figure
 is the minimum of several runs (the machine is noisy).
 Targets (issue 5): both ratios <= 1.3.
 """
@@ -52,6 +53,8 @@ def run_case(d: str, label: str, count: int, total: int) -> list:
         with open(raw_path, "wb") as f:
             for v in tensors.values():
                 v.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
 
     data_path = prefix + ".data-00000-of-00001"
     write_ours = best(lambda: write_bundle(prefix, tensors), lambda: remove(prefix + ".index", data_path))
