@@ -3,7 +3,8 @@
 from checkpoint._by_name import NameBasedLoadStatus, restore_by_name
 from checkpoint._checkpoint import Checkpoint, LoadStatus
 from checkpoint._errors import CheckpointFormatError, DataLossError
-from checkpoint._export import Asset, export, load, register_revived_type
+from checkpoint._export import Asset, export, register_revived_type
+from checkpoint._load import load
 from checkpoint._manager import CheckpointManager, latest_checkpoint
 from checkpoint._reader import read_checkpoint
 

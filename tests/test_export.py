@@ -16,7 +16,7 @@ import pytest
 
 import checkpoint
 import varstate
-from checkpoint import _export
+from checkpoint import _export, _load
 from checkpoint._bundle import write_bundle
 from checkpoint.protos import saved_object_graph_pb2 as pb
 from checkpoint.protos.versions_pb2 import VersionDef
@@ -210,7 +210,7 @@ def test_incompatible_revived_type_loads_as_generic_and_says_so(tmp_path, revive
         checkpoint.register_revived_type("test.Block", Block, **loader)
     with caplog.at_level(logging.WARNING, logger="checkpoint"):
         block = checkpoint.load(path).block
-    assert isinstance(block, _export.RevivedObject) and block.kernel.name == "k" and block.rate == 0.5
+    assert isinstance(block, _load.RevivedObject) and block.kernel.name == "k" and block.rate == 0.5
     assert "(root).block" in caplog.text and "test_export.Block" in caplog.text
     assert "loaded as a generic object" in caplog.text
     assert re.search(why, caplog.text)
