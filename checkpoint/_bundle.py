@@ -46,6 +46,11 @@ _NUMERIC = {
     types_pb2.DT_BOOL: np.bool_,
     types_pb2.DT_COMPLEX64: np.complex64,
     types_pb2.DT_COMPLEX128: np.complex128,
+    # The low-precision types TF 2.21 keeps in variables (one element per byte, as ml_dtypes).
+    types_pb2.DT_FLOAT8_E5M2: ml_dtypes.float8_e5m2,
+    types_pb2.DT_FLOAT8_E4M3FN: ml_dtypes.float8_e4m3fn,
+    types_pb2.DT_INT4: ml_dtypes.int4,
+    types_pb2.DT_UINT4: ml_dtypes.uint4,
 }
 _NUMERIC = {k: np.dtype(v) for k, v in _NUMERIC.items()}
 _ENUM_OF = {v: k for k, v in _NUMERIC.items()}

@@ -43,8 +43,14 @@ _ALIGN = 64
 _DTYPES = {
     np.dtype(t).name: np.dtype(t)
     for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-              np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16)
+              np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16,
+              ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn, ml_dtypes.int4, ml_dtypes.uint4)
 }
+
+
+# Large arrays of these types are written as the wider type (tensorstore has no uint4); the
+# bytes, and so the checksum, are the same: ml_dtypes keeps one uint4 per byte.
+_STORED_AS = {"uint4": np.dtype(np.uint8)}
 
 
 def _crc(host: np.ndarray) -> int:
@@ -81,6 +87,9 @@ class _Layout:
             self.small.append((entry, value))
         else:
             name = f"a{len(self.large)}"
+            if dtype.name in _STORED_AS:  # a type tensorstore lacks: its values, widened losslessly
+                entry["stored_as"] = _STORED_AS[dtype.name].name
+                value = value.astype(_STORED_AS[dtype.name])
             self.large[name] = value
             entry["array"] = name
         return entry
@@ -213,6 +222,8 @@ def _validate(key: str, e: Any, packs: list[int], sliced: bool = False) -> None:
     if "array" in e:
         if not isinstance(e["array"], str) or not _ARRAY_NAME.fullmatch(e["array"]):
             raise ValueError(f"entry {key!r}: bad array name {e['array']!r}")
+        if "stored_as" in e and (_STORED_AS.get(e["dtype"]) is None or e["stored_as"] != _STORED_AS[e["dtype"]].name):
+            raise ValueError(f"entry {key!r}: {e['dtype']} cannot be stored as {e['stored_as']!r}")
     else:
         pack, offset = e.get("pack"), e.get("offset")
         nbytes = math.prod(shape) * _dtype(e["dtype"], key).itemsize
@@ -337,7 +348,7 @@ class OrbaxReader:
                     item[name] = np.empty(0, np.uint8)  # a placeholder: the stored size is checked on use
                     restore_args[name] = ocp.RestoreArgs(restore_type=np.ndarray)
                 elif sharding is not None:
-                    dtype, shape = _dtype(part["dtype"], name), tuple(part["shape"])
+                    dtype, shape = _dtype(part.get("stored_as", part["dtype"]), name), tuple(part["shape"])
                     item[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                     restore_args[name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
                 else:
@@ -370,6 +381,8 @@ class OrbaxReader:
             host = value
         else:
             value = loaded[e["array"]]
+            if "stored_as" in e and np.dtype(value.dtype) == np.dtype(e["stored_as"]):
+                value = value.astype(dtype)
             if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
                 raise DataLossError(
                     f"Checkpoint {self.path!r}: value {key!r} has shape {tuple(value.shape)} {value.dtype}, "

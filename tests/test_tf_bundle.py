@@ -4,12 +4,15 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
+import checkpoint
+import varstate
 from checkpoint import CheckpointFormatError
 from checkpoint._bundle import GRAPH_KEY, BundleReader, slice_key, write_bundle
 from checkpoint._table import _block, _entries, crc32c, mask, read_table, write_table
@@ -22,8 +25,10 @@ PREFIXES = {
     "tf_object": "tf_object/ckpt-1", "tf_name": "tf_name/model.ckpt-2", "tf_sharded": "tf_sharded/ckpt",
     "ours_bundle": "ours_bundle/ckpt-1", "ours_bundle_tf_resaved": "ours_bundle_tf_resaved/ckpt",
     "ours_checkpoint": "ours_checkpoint/ckpt-1", "ours_checkpoint_tf_resaved": "ours_checkpoint_tf_resaved/ckpt",
+    "tf_low_precision": "tf_low_precision/ckpt", "ours_low_precision": "ours_low_precision/ckpt-1",
 }
-NUMPY_DTYPE = {"bfloat16": ml_dtypes.bfloat16, "bool": np.bool_}
+NUMPY_DTYPE = {"bfloat16": ml_dtypes.bfloat16, "bool": np.bool_, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+               "float8_e5m2": ml_dtypes.float8_e5m2, "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4}
 
 
 def _tf_value(entry: dict) -> np.ndarray:
@@ -52,7 +57,8 @@ def test_every_tensor_equals_what_tensorflow_read(name):
         assert got.tobytes() == want.tobytes() if want.dtype != object else got.tolist() == want.tolist(), key
 
 
-@pytest.mark.parametrize("name", ["tf_object", "tf_sharded", "ours_bundle", "ours_checkpoint_tf_resaved"])
+@pytest.mark.parametrize(
+    "name", ["tf_object", "tf_sharded", "ours_bundle", "ours_checkpoint_tf_resaved", "tf_low_precision"])
 def test_object_graph_equals_tensorflows_parse(name):
     graph = _reader(name).object_graph
     assert text_format.MessageToString(graph) == EXPECTED[name]["object_graph"]
@@ -140,6 +146,41 @@ def test_tensorflows_resave_of_ours_matches_key_by_key(ours):
             assert got.tolist() == [bytes.fromhex(s) for s in value], path
         else:
             assert got.dtype.name == dtype and got.tobytes() == bytes.fromhex(value), path
+
+
+LOW_PRECISION = {  # the values of tests/data/make_tf_checkpoint_fixtures.py
+    "float8_e4m3fn": [[1.0, -2.0, 3.0], [0.5, -1.0, 448.0]], "float8_e5m2": [[1.0, -2.0, 3.0], [0.5, -1.0, 57344.0]],
+    "int4": [[1, -2, 3], [-8, 7, 0]], "uint4": [[1, 2, 3], [0, 15, 7]],
+}
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_float8_and_int4_variables_from_tensorflow_restore_and_save_again(tmp_path, fmt):
+    # TF 2.21 wrote tf_low_precision; the same values, written by us, TF restored (restored_by_tf).
+    template = {name: varstate.Variable(jnp.zeros((2, 3), NUMPY_DTYPE[name]), name=name) for name in LOW_PRECISION}
+    got = checkpoint.Checkpoint(model=template).restore(os.path.join(DATA, PREFIXES["tf_low_precision"]))
+    model = got.expect_partial().model
+    for name, values in LOW_PRECISION.items():
+        want = np.array(values).astype(NUMPY_DTYPE[name])
+        assert model[name].dtype == want.dtype and np.asarray(model[name].value).tobytes() == want.tobytes(), name
+        dtype, hexed = EXPECTED["ours_low_precision"]["restored_by_tf"][f"model/{name}"]
+        assert (dtype, hexed) == (name, want.tobytes().hex()), name
+    path = checkpoint.Checkpoint(model=model).write(str(tmp_path / "again"), format=fmt)
+    again = checkpoint.Checkpoint(model=template).restore(path).model
+    assert all(np.asarray(again[n].value).tobytes() == np.asarray(model[n].value).tobytes() for n in LOW_PRECISION)
+
+
+def test_large_uint4_values_survive_orbax_which_has_no_uint4(tmp_path):
+    # tensorstore (under orbax) lacks uint4: large ones are stored as uint8 and narrowed back, also onto a mesh.
+    values = (np.arange(3_000_000) % 16).astype(ml_dtypes.uint4)
+    path = checkpoint.Checkpoint(w=varstate.Variable(jnp.asarray(values))).write(str(tmp_path / "c"))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    template = varstate.uninitialized(values.shape, ml_dtypes.uint4, sharding=sharding)
+    got = checkpoint.Checkpoint(w=template).restore(path).assert_consumed().w
+    assert got.dtype == ml_dtypes.uint4 and got.sharding == sharding
+    assert np.asarray(got.value).tobytes() == values.tobytes()
+    assert checkpoint.read_checkpoint(path).get("w/.ATTRIBUTES/VARIABLE_VALUE").tobytes() == values.tobytes()
 
 
 def test_round_trip_of_every_dtype_and_layout(tmp_path):

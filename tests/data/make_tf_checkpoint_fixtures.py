@@ -10,6 +10,7 @@ Writes under tests/data/tf_checkpoints/:
   tf_name/     tf.compat.v1.train.Saver in a graph: partitioned variables (axis 0 and axis 1), Adam
                slots (partitioned too), global_step.
   tf_sharded/  a checkpoint split over 3 data shards (MaxShardSizePolicy).
+  tf_low_precision/  tf.train.Checkpoint of float8_e4m3fn, float8_e5m2, int4 and uint4 variables.
   ours_*_tf_resaved/  TF's re-save of ours_bundle and ours_checkpoint (step 1), after restoring them.
   expected.json: what TF reads from every checkpoint: per key dtype, shape and raw little-endian bytes
                (hex; strings as a list of hex), the object graph in text format, the saved slices of
@@ -32,6 +33,11 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_checkpoints")
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16",
           "uint32", "uint64", "bool", "complex64", "complex128"]
 STRINGS = [b"", b"a", b"x" * 200, "h\u00e9llo".encode(), b"nul\x00byte"]
+# The low-precision types TF keeps in variables; the same values in write_ours_for_tf.py.
+LOW_PRECISION = {
+    "float8_e4m3fn": [[1.0, -2.0, 3.0], [0.5, -1.0, 448.0]], "float8_e5m2": [[1.0, -2.0, 3.0], [0.5, -1.0, 57344.0]],
+    "int4": [[1, -2, 3], [-8, 7, 0]], "uint4": [[1, 2, 3], [0, 15, 7]],
+}
 
 
 def record(prefix: str) -> dict:
@@ -210,6 +216,35 @@ def restore_ours_checkpoint(expected: dict) -> None:
     expected["ours_checkpoint_tf_resaved"] = record(path)
 
 
+def low_precision_module() -> tf.Module:
+    from tensorflow.python.framework import dtypes  # the float8/int4 dtypes are not in tf's namespace
+
+    m = tf.Module()
+    for name, value in LOW_PRECISION.items():
+        setattr(m, name, tf.Variable(np.array(value).astype(getattr(dtypes, name).as_numpy_dtype), name=name))
+    return m
+
+
+def tf_low_precision(expected: dict) -> None:
+    path = tf.train.Checkpoint(model=low_precision_module()).write(os.path.join(fresh("tf_low_precision"), "ckpt"))
+    expected["tf_low_precision"] = record(path)
+
+
+def restore_ours_low_precision(expected: dict) -> None:
+    """Our Checkpoint.save(format="tf") of the same four variables, restored by tf.train.Checkpoint."""
+    model = low_precision_module()
+    for v in model.trainable_variables:
+        v.assign(np.zeros(v.shape, v.dtype.as_numpy_dtype))  # TF has no float8 ZerosLike kernel
+    ckpt = tf.train.Checkpoint(model=model)
+    path = tf.train.latest_checkpoint(os.path.join(OUT, "ours_low_precision"))
+    ckpt.restore(path).assert_consumed()
+    expected["ours_low_precision"] = record(path)
+    expected["ours_low_precision"]["restored_by_tf"] = {
+        f"model/{name}": [getattr(model, name).dtype.name, getattr(model, name).numpy().tobytes().hex()]
+        for name in LOW_PRECISION
+    }
+
+
 def read_ours_many(expected: dict) -> None:
     """5,000 keys over two index blocks, written by write_bundle: TF finds every one."""
     reader = tf.train.load_checkpoint(os.path.join(OUT, "ours_many", "many"))
@@ -228,6 +263,8 @@ def main() -> None:
     restore_ours_bundle(expected)
     restore_ours_checkpoint(expected)
     read_ours_many(expected)
+    tf_low_precision(expected)
+    restore_ours_low_precision(expected)
     with open(os.path.join(OUT, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(OUT) for f in fs)

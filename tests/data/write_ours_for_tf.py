@@ -11,6 +11,8 @@ Writes under tests/data/tf_checkpoints/:
                     key that needs escaping, TF v1 Adam slots and non-slots, save_counter.
   ours_checkpoint/  `checkpoint.Checkpoint(model=..., optimizer=<varstate Adam state>, step=<global
                     step>).save(format="tf")`.
+  ours_low_precision/  `checkpoint.Checkpoint(model=<float8_e4m3fn, float8_e5m2, int4 and uint4
+                    Variables>).save(format="tf")`.
   ours_many/        `write_bundle` of 5,000 scalars under keys that share no prefix: an index of two blocks
                     (TF cuts a block at 256 KiB), so TF checks our index block's separator keys.
 """
@@ -124,14 +126,34 @@ def ours_checkpoint(directory: str) -> str:
     )
 
 
+# The values of make_tf_checkpoint_fixtures.LOW_PRECISION.
+LOW_PRECISION = {
+    "float8_e4m3fn": [[1.0, -2.0, 3.0], [0.5, -1.0, 448.0]], "float8_e5m2": [[1.0, -2.0, 3.0], [0.5, -1.0, 57344.0]],
+    "int4": [[1, -2, 3], [-8, 7, 0]], "uint4": [[1, 2, 3], [0, 15, 7]],
+}
+
+
+def ours_low_precision(directory: str) -> str:
+    import jax.numpy as jnp
+
+    import checkpoint
+    import varstate
+
+    reg = varstate.Registry()
+    model = {name: varstate.Variable(jnp.asarray(np.array(v).astype(getattr(ml_dtypes, name))), name=name,
+                                     registry=reg) for name, v in LOW_PRECISION.items()}
+    return checkpoint.Checkpoint(model=model).save(os.path.join(directory, "ckpt"), format="tf")
+
+
 def main() -> None:
-    for sub in ("ours_bundle", "ours_checkpoint", "ours_many"):
+    for sub in ("ours_bundle", "ours_checkpoint", "ours_many", "ours_low_precision"):
         shutil.rmtree(os.path.join(OUT, sub), ignore_errors=True)
     directory = os.path.join(OUT, "ours_bundle")
     write_bundle(os.path.join(directory, "ckpt-1"), ours_bundle_tensors())
     write_checkpoint_state(directory, os.path.join(directory, "ckpt-1"))
     print("wrote", directory)
     print("wrote", ours_checkpoint(os.path.join(OUT, "ours_checkpoint")))
+    print("wrote", ours_low_precision(os.path.join(OUT, "ours_low_precision")))
     write_bundle(os.path.join(OUT, "ours_many", "many"), ours_many_tensors())
     print("wrote", os.path.join(OUT, "ours_many"))
 
