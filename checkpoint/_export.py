@@ -198,7 +198,7 @@ def _describe_value(out: pb.SavedObject, s: _graph.Saveable, path: str) -> None:
         out.constant.operation = s.key  # the value's key in the variables bundle
         return
     v = out.variable
-    v.dtype = _ENUM_OF.get(np.dtype(var.dtype), 0)
+    v.dtype = _ENUM_OF.get(np.dtype(var.handle.saved_dtype or var.dtype), 0)  # as stored in the bundle
     v.shape.dim.extend(TensorShapeProto.Dim(size=d) for d in var.shape)
     v.trainable, v.name = var.trainable, var.name
     v.synchronization, v.aggregation = int(var.synchronization), int(var.aggregation)

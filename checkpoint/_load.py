@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from checkpoint import _export, _graph
 from checkpoint._bundle import _NUMERIC, BundleReader
+from checkpoint._by_name import _convert
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._export import (
     _FUNCTION_NAME,
@@ -187,12 +188,21 @@ class _Loader:
         shape, dtype = tuple(d.size for d in sv.shape.dim), _NUMERIC.get(sv.dtype)
         if value.shape != shape or value.dtype != dtype:
             raise self.fail(i, f"stored value is {value.dtype}{list(value.shape)}, the graph says {dtype}{list(shape)}")
+        held = self.held(value, self.names[i], attrs[0].checkpoint_key)
         try:
-            return Variable(jnp.asarray(value), name=sv.name or None, trainable=sv.trainable,
-                            synchronization=VariableSynchronization(sv.synchronization),
-                            aggregation=VariableAggregation(sv.aggregation), registry=self.registry)
+            var = Variable(jnp.asarray(held), name=sv.name or None, trainable=sv.trainable,
+                           synchronization=VariableSynchronization(sv.synchronization),
+                           aggregation=VariableAggregation(sv.aggregation), registry=self.registry)
         except (ValueError, TypeError) as e:
             raise self.fail(i, str(e)) from None
+        if held.dtype != value.dtype:  # saved again as it was (TF's int64 global step)
+            var.handle.saved_dtype = value.dtype
+        return var
+
+    @staticmethod
+    def held(value: np.ndarray, name: str, key: str) -> np.ndarray:
+        """`value` in the dtype JAX holds it in: 64-bit types narrowed, with a range check, when x64 is off."""
+        return _convert(value, np.dtype(jax.dtypes.canonicalize_dtype(value.dtype)), name, key)
 
     def constant(self, i: int, const: pb.SavedConstant) -> Any:
         key = const.operation
@@ -200,7 +210,7 @@ class _Loader:
         if key.endswith(f"/.ATTRIBUTES/{_graph.PY_STATE}"):  # a Python scalar
             item = value.item()
             return item.decode() if isinstance(item, bytes) else item
-        return jnp.asarray(value)
+        return jnp.asarray(self.held(value, self.names[i], key))
 
     def asset(self, i: int, asset: pb.SavedAsset) -> Asset:
         index = asset.asset_file_def_index

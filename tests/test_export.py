@@ -386,3 +386,24 @@ def test_a_failing_revival_names_the_object(tmp_path, revived):
     with pytest.raises(TypeError, match="unexpected keyword argument 'extra'") as info:
         checkpoint.load(path)
     assert info.value.__notes__ == ["while reviving (root).block as 'test.Block' version 1"]
+
+
+def test_64_bit_values_load_as_jaxs_32_bit_types_and_export_again_as_64_bit(tmp_path):
+    # The global step is TF's int64; with JAX's 64-bit types off it is held as int32 and stored as int64.
+    assert not jax.config.jax_enable_x64
+    root = {"step": varstate.get_or_create_global_step().assign(5), "table": np.arange(3, dtype=np.int64)}
+    path = checkpoint.export(tmp_path / "m", root)
+    graph = _definition(path).object_graph
+    step_node = next(n for n in graph.nodes if n.WhichOneof("kind") == "variable")
+    assert step_node.variable.dtype == 9  # DT_INT64, as TF describes its global step
+    loaded = checkpoint.load(path)
+    assert (loaded.step.dtype, int(loaded.step), loaded.step.name) == (jnp.int32, 5, "global_step")
+    assert loaded.table.dtype == jnp.int32 and loaded.table.tolist() == [0, 1, 2]
+    again = checkpoint.load(checkpoint.export(tmp_path / "again", {"step": loaded.step}))
+    assert int(again.step) == 5
+    reader = checkpoint.read_checkpoint(os.path.join(tmp_path / "again", "variables", "variables"))
+    assert reader.dtype("step/.ATTRIBUTES/VARIABLE_VALUE") == np.int64
+    far = checkpoint.export(tmp_path / "far", {"c": np.array([1, 2 ** 40], np.int64)})
+    with pytest.raises(ValueError, match=r"'c/\.ATTRIBUTES/VARIABLE_VALUE' \(int64\) holds 1099511627776, out of "
+                                         r"range for variable '\(root\)\.c' \(int32; JAX's 64-bit types are disabled\)"):
+        checkpoint.load(far)
