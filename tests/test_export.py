@@ -404,6 +404,7 @@ def test_64_bit_values_load_as_jaxs_32_bit_types_and_export_again_as_64_bit(tmp_
     reader = checkpoint.read_checkpoint(os.path.join(tmp_path / "again", "variables", "variables"))
     assert reader.dtype("step/.ATTRIBUTES/VARIABLE_VALUE") == np.int64
     far = checkpoint.export(tmp_path / "far", {"c": np.array([1, 2 ** 40], np.int64)})
-    with pytest.raises(ValueError, match=r"'c/\.ATTRIBUTES/VARIABLE_VALUE' \(int64\) holds 1099511627776, out of "
-                                         r"range for variable '\(root\)\.c' \(int32; JAX's 64-bit types are disabled\)"):
+    want = (r"'c/\.ATTRIBUTES/VARIABLE_VALUE' \(int64\) holds 1099511627776, out of range for variable "
+            r"'\(root\)\.c' \(int32; JAX's 64-bit types are disabled\)")
+    with pytest.raises(ValueError, match=want):
         checkpoint.load(far)
