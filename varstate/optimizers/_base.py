@@ -414,6 +414,8 @@ class Optimizer:
         g_def = _check_sparse_indices(grads, params)
         key = (self, g_def)
         if key not in _SEEN:
+            # Arrays made outside jit are uncommitted and jit's outputs are committed: a second
+            # compile on step 2 unless the first step's inputs are committed too (no copy: aliased).
             params, state = _commit((params, state))
             if len(_SEEN) < 4096:
                 _SEEN.add(key)
@@ -480,28 +482,13 @@ _SEEN: set = set()  # (optimizer, grads treedef) already stepped by apply_gradie
 
 
 def _commit(tree: Any) -> Any:
-    """`tree` with its arrays placed as jit will return them, so that step 2 reuses step 1's executable.
-
-    Arrays made outside jit are uncommitted and jit's outputs are committed; a mesh sharding
-    whose spec ends in None (``P("x", None)``) comes back without it (``P("x")``). Both
-    differences would be a second compile; both are fixed here without a copy (aliased).
-    """
     arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not isinstance(x, _core.Tracer)]
-    # Placed across devices already: committing the rest to one device would clash.
-    spread = len({d for x in arrays if x.committed for d in x.sharding.device_set}) > 1
+    if len({d for x in arrays if x.committed for d in x.sharding.device_set}) > 1:
+        return tree  # placed across devices already: committing the rest to one device would clash
 
     def commit(x):
-        if not isinstance(x, jax.Array) or isinstance(x, _core.Tracer):
-            return x
-        s = x.sharding
-        if isinstance(s, jax.sharding.NamedSharding) and s.spec and s.spec[-1] is None:
-            spec = list(s.spec)
-            while spec and spec[-1] is None:
-                spec.pop()
-            trimmed = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=s.memory_kind)
-            return jax.device_put(x, trimmed, may_alias=True)
-        if not x.committed and not spread:
-            return jax.device_put(x, s, may_alias=True)
+        if isinstance(x, jax.Array) and not isinstance(x, _core.Tracer) and not x.committed:
+            return jax.device_put(x, x.sharding, may_alias=True)
         return x
     return jax.tree.map(commit, tree)
 
