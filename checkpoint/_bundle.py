@@ -8,6 +8,7 @@ its slices, and one entry per slice under an OrderedCode key.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -432,7 +433,12 @@ def _sync(f: IO[bytes]) -> None:
     # (fsynced too) never names a checkpoint whose bytes were still in the page cache, when the
     # manager may already have deleted the one before it.
     f.flush()
-    os.fsync(f.fileno())
+    try:
+        os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise  # EIO and the like: the bytes may not be on disk
+        # A filesystem without fsync (some FUSE and network mounts): as durable as it can be.
 
 
 def _sync_directory(directory: str) -> None:

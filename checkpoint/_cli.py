@@ -49,8 +49,8 @@ def _is_str(dtype: np.dtype) -> bool:
 
 
 def _is_real(dtype: np.dtype) -> bool:
-    # ml_dtypes' bfloat16 and float8 types have numpy kind "V".
-    return dtype.kind in "biuf" or (dtype.kind == "V" and "float" in dtype.name)
+    # ml_dtypes' bfloat16, float8, int4 and uint4 types have numpy kind "V".
+    return dtype.kind in "biuf" or (dtype.kind == "V" and dtype.name.startswith(("float", "bfloat", "int", "uint")))
 
 
 def _nbytes(reader, key: str) -> int:

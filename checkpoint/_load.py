@@ -53,6 +53,20 @@ class RevivedObject:
         return f"RevivedObject({self._identifier!r}, attributes={names})"
 
 
+def _fit(value: Any, aval: Any) -> Any:
+    """A captured value in the dtype the function was traced with.
+
+    They differ in width only when JAX's 64-bit types were set otherwise at
+    export: an int64 global step, exported from int32 and loaded with x64 on,
+    goes back to int32 (it was int32 when traced, so it fits).
+    """
+    dtype = getattr(value, "dtype", None)
+    same_kind = dtype is not None and np.dtype(dtype).kind == np.dtype(aval.dtype).kind
+    if same_kind and dtype != aval.dtype and jax.dtypes.canonicalize_dtype(aval.dtype) == aval.dtype:
+        return jnp.asarray(value).astype(aval.dtype)
+    return value
+
+
 class Signature:
     """A loaded signature: checks the arguments, then runs the deserialized `jax.export.Exported` on them
     and on the restored variables and constants it reads."""
@@ -62,6 +76,8 @@ class Signature:
         top = jax.tree_util.treedef_children(exported.in_tree)[0]  # ((captured, *args), {})
         self._arg_trees = jax.tree_util.treedef_children(top)[1:]
         self._arg_avals = exported.in_avals[len(captured):]
+        self._inputs = [_fit(c.value if isinstance(c, Variable) else c, aval)
+                        for c, aval in zip(captured, exported.in_avals[:len(captured)], strict=True)]
         self._call = jax.jit(exported.call)  # compiled once per input shape, then a plain jit dispatch
 
     def __repr__(self) -> str:
@@ -88,7 +104,7 @@ class Signature:
                 raise (TypeError if dtype != aval.dtype else ValueError)(
                     f"{what}: input {j} expects {expected}, got {got}. Pass arrays of that dtype and shape "
                     "(symbolic dimensions accept any size).")
-        return self._call([c.value if isinstance(c, Variable) else c for c in self._captured], *args)
+        return self._call(self._inputs, *args)
 
 
 def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> RevivedObject:

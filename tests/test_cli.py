@@ -99,6 +99,12 @@ def test_inspect_key_summarizes_one_value(capsys):
     assert fields["first values"] == f"{value.ravel()[:10].tolist()} ..."
     code, out, _ = run(capsys, "inspect", NAME_BASED, "--key", "global_step")
     assert code == 0 and "first values: [1234]" in out and "min: 1234" in out
+    # ml_dtypes' int4 and float8 have numpy kind "V": still numbers (TF wrote [[1, -2, 3], [-8, 7, 0]]).
+    for key, stats in [("int4", ("-8.0", "7.0")), ("float8_e4m3fn", ("-2.0", "448.0"))]:
+        code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_low_precision", "ckpt"),
+                           "--key", f"model/{key}/.ATTRIBUTES/VARIABLE_VALUE")
+        fields = dict(line.split(": ", 1) for line in out.splitlines())
+        assert code == 0 and (fields["dtype"], fields["min"], fields["max"]) == (key, *stats)
 
 
 def test_inspect_errors_are_one_line(capsys, tmp_path):

@@ -392,13 +392,17 @@ def test_64_bit_values_load_as_jaxs_32_bit_types_and_export_again_as_64_bit(tmp_
     # The global step is TF's int64; with JAX's 64-bit types off it is held as int32 and stored as int64.
     assert not jax.config.jax_enable_x64
     root = {"step": varstate.get_or_create_global_step().assign(5), "table": np.arange(3, dtype=np.int64)}
-    path = checkpoint.export(tmp_path / "m", root)
+    path = checkpoint.export(tmp_path / "m", root, {"next": (lambda r, x: r["step"].value + x, (jnp.int32(1),))})
     graph = _definition(path).object_graph
     step_node = next(n for n in graph.nodes if n.WhichOneof("kind") == "variable")
     assert step_node.variable.dtype == 9  # DT_INT64, as TF describes its global step
     loaded = checkpoint.load(path)
     assert (loaded.step.dtype, int(loaded.step), loaded.step.name) == (jnp.int32, 5, "global_step")
     assert loaded.table.dtype == jnp.int32 and loaded.table.tolist() == [0, 1, 2]
+    assert int(loaded.signatures["next"](jnp.int32(2))) == 7
+    with jax.enable_x64(True):  # loaded where JAX holds int64: the step is int64, the function still int32
+        wide = checkpoint.load(path, registry=varstate.Registry())
+        assert wide.step.dtype == jnp.int64 and int(wide.signatures["next"](jnp.int32(2))) == 7
     again = checkpoint.load(checkpoint.export(tmp_path / "again", {"step": loaded.step}))
     assert int(again.step) == 5
     reader = checkpoint.read_checkpoint(os.path.join(tmp_path / "again", "variables", "variables"))

@@ -148,6 +148,23 @@ def test_tensorflows_resave_of_ours_matches_key_by_key(ours):
             assert got.dtype.name == dtype and got.tobytes() == bytes.fromhex(value), path
 
 
+def test_a_filesystem_without_fsync_still_saves_but_an_io_error_fails(tmp_path, monkeypatch):
+    import errno
+
+    def no_fsync(code):
+        def fsync(fd):
+            raise OSError(code, os.strerror(code))
+        return fsync
+
+    monkeypatch.setattr(os, "fsync", no_fsync(errno.EINVAL))  # some FUSE and network mounts
+    write_bundle(tmp_path / "ok", {"a": np.arange(3.0)})
+    assert BundleReader(tmp_path / "ok").get("a").tolist() == [0.0, 1.0, 2.0]
+    monkeypatch.setattr(os, "fsync", no_fsync(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        write_bundle(tmp_path / "bad", {"a": np.arange(3.0)})
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("bad")]  # nothing half-written is left
+
+
 LOW_PRECISION = {  # the values of tests/data/make_tf_checkpoint_fixtures.py
     "float8_e4m3fn": [[1.0, -2.0, 3.0], [0.5, -1.0, 448.0]], "float8_e5m2": [[1.0, -2.0, 3.0], [0.5, -1.0, 57344.0]],
     "int4": [[1, -2, 3], [-8, 7, 0]], "uint4": [[1, 2, 3], [0, 15, 7]],
