@@ -1,5 +1,8 @@
 """Partitioned variables: saved as slices of the full variable; restored into any partitioning."""
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,3 +91,38 @@ def test_slots_for_only_some_shards_are_refused_not_zero_filled(tmp_path, fmt):
     with pytest.raises(ValueError, match=r"Cannot checkpoint the 'accumulator' slots of \(root\)\.m\.emb: the "
                                          r"optimizer \(root\)\.o has them for 1 of its 2 shards\. "):
         checkpoint.Checkpoint(m={"emb": emb}, o=state).write(str(tmp_path / "c"), format=fmt)
+
+
+TF_DIR = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints")
+with open(os.path.join(TF_DIR, "expected.json")) as _f:
+    TF_EXPECTED = json.load(_f)
+TABLE = np.arange(10, dtype=np.float32).reshape(5, 2) / 4  # make_tf_checkpoint_fixtures.SHARDED_TABLE
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, "variable"])
+def test_tf2_sharded_variable_restores_into_any_partitioning(shards):
+    # TF 2.21 saved a ShardedVariable (parts of 3 and 2 rows) as one node whose value is stored as slices.
+    prefix = os.path.join(TF_DIR, "tf_sharded_variable", "ckpt-1")
+    key = "model/emb/.ATTRIBUTES/VARIABLE_VALUE"
+    assert checkpoint.read_checkpoint(prefix).get_slices(key) == [
+        (slice(0, 3), slice(0, 2)), (slice(3, 5), slice(0, 2))]
+    template = varstate.Variable(jnp.zeros((5, 2))) if shards == "variable" else pv(np.zeros((5, 2)), shards)
+    got = checkpoint.Checkpoint(model={"emb": template}).restore(prefix).assert_consumed().model["emb"]
+    value = got.value if shards == "variable" else got.as_array()
+    tf_bytes = bytes.fromhex(TF_EXPECTED["tf_sharded_variable"]["tensors"][key]["hex"])
+    assert np.asarray(value).tobytes() == tf_bytes == TABLE.tobytes()
+
+
+def test_tensorflow_restored_our_partitioned_variable_into_sharded_variables_of_any_split(tmp_path):
+    # ours_partitioned: a PartitionedVariable of 3 shards, saved in the TF format; TF restored it into
+    # ShardedVariables of [3, 2] and [2, 2, 1] rows and a plain variable (assert_consumed each time).
+    restored = TF_EXPECTED["ours_partitioned"]["restored_by_tf"]
+    assert restored == dict.fromkeys(["2,2,1", "3,2", "5"], TABLE.tobytes().hex())
+    emb = varstate.PartitionedVariable(TABLE, name="emb", num_shards=3)
+    path = checkpoint.Checkpoint(model={"emb": emb}).save(str(tmp_path / "ckpt"), format="tf")
+    now = checkpoint.read_checkpoint(path)
+    verified = checkpoint.read_checkpoint(os.path.join(TF_DIR, "ours_partitioned", "ckpt-1"))
+    assert now.keys() == verified.keys() and now.object_graph == verified.object_graph
+    key = "model/emb/.ATTRIBUTES/VARIABLE_VALUE"
+    assert now.get_slices(key) == verified.get_slices(key)
+    np.testing.assert_array_equal(now.get(key), verified.get(key))

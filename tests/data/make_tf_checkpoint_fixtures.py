@@ -11,6 +11,9 @@ Writes under tests/data/tf_checkpoints/:
                slots (partitioned too), global_step.
   tf_sharded/  a checkpoint split over 3 data shards (MaxShardSizePolicy).
   tf_low_precision/  tf.train.Checkpoint of float8_e4m3fn, float8_e5m2, int4 and uint4 variables.
+  tf_sharded_variable/  tf.train.Checkpoint of a TF2 ShardedVariable (parts of 3 and 2 rows of a 5x2 table);
+               and TF's restore of ours_partitioned (a PartitionedVariable of 3 shards) into ShardedVariables
+               of other splits.
   ours_*_tf_resaved/  TF's re-save of ours_bundle and ours_checkpoint (step 1), after restoring them.
   expected.json: what TF reads from every checkpoint: per key dtype, shape and raw little-endian bytes
                (hex; strings as a list of hex), the object graph in text format, the saved slices of
@@ -20,6 +23,7 @@ The script also asserts that TF restores our checkpoints with assert_existing_ob
 and, once the optimizer has made its slots, assert_consumed().
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -245,6 +249,37 @@ def restore_ours_low_precision(expected: dict) -> None:
     }
 
 
+SHARDED_TABLE = np.arange(10, dtype=np.float32).reshape(5, 2) / 4  # the same in write_ours_for_tf.py
+
+
+def sharded_variable(splits: list[int], value: np.ndarray) -> tuple[tf.Module, list[tf.Variable]]:
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable  # what TF2 partitioners make
+
+    bounds = np.cumsum([0, *splits])
+    parts = [tf.Variable(value[a:b], name=f"emb/part_{i}") for i, (a, b) in enumerate(itertools.pairwise(bounds))]
+    m = tf.Module()
+    m.emb = ShardedVariable(parts, name="emb") if len(parts) > 1 else parts[0]
+    return m, parts
+
+
+def tf_sharded_variable(expected: dict) -> None:
+    model, _ = sharded_variable([3, 2], SHARDED_TABLE)
+    path = tf.train.Checkpoint(model=model).save(os.path.join(fresh("tf_sharded_variable"), "ckpt"))
+    expected["tf_sharded_variable"] = record(path)
+
+
+def restore_ours_partitioned(expected: dict) -> None:
+    """ours_partitioned (3 shards), restored by TF into ShardedVariables of 2 and 3 parts and a plain variable."""
+    path = tf.train.latest_checkpoint(os.path.join(OUT, "ours_partitioned"))
+    restored = {}
+    for splits in ([3, 2], [2, 2, 1], [5]):
+        model, parts = sharded_variable(splits, np.zeros_like(SHARDED_TABLE))
+        tf.train.Checkpoint(model=model).restore(path).assert_consumed()
+        restored[",".join(map(str, splits))] = np.concatenate([p.numpy() for p in parts]).tobytes().hex()
+    expected["ours_partitioned"] = record(path)
+    expected["ours_partitioned"]["restored_by_tf"] = restored
+
+
 def read_ours_many(expected: dict) -> None:
     """5,000 keys over two index blocks, written by write_bundle: TF finds every one."""
     reader = tf.train.load_checkpoint(os.path.join(OUT, "ours_many", "many"))
@@ -265,6 +300,8 @@ def main() -> None:
     read_ours_many(expected)
     tf_low_precision(expected)
     restore_ours_low_precision(expected)
+    tf_sharded_variable(expected)
+    restore_ours_partitioned(expected)
     with open(os.path.join(OUT, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(OUT) for f in fs)

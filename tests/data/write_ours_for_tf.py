@@ -13,6 +13,7 @@ Writes under tests/data/tf_checkpoints/:
                     step>).save(format="tf")`.
   ours_low_precision/  `checkpoint.Checkpoint(model=<float8_e4m3fn, float8_e5m2, int4 and uint4
                     Variables>).save(format="tf")`.
+  ours_partitioned/  `checkpoint.Checkpoint(model={"emb": <PartitionedVariable, 3 shards>}).save(format="tf")`.
   ours_many/        `write_bundle` of 5,000 scalars under keys that share no prefix: an index of two blocks
                     (TF cuts a block at 256 KiB), so TF checks our index block's separator keys.
 """
@@ -145,8 +146,17 @@ def ours_low_precision(directory: str) -> str:
     return checkpoint.Checkpoint(model=model).save(os.path.join(directory, "ckpt"), format="tf")
 
 
+def ours_partitioned(directory: str) -> str:
+    import checkpoint
+    import varstate
+
+    table = np.arange(10, dtype=np.float32).reshape(5, 2) / 4  # make_tf_checkpoint_fixtures.SHARDED_TABLE
+    emb = varstate.PartitionedVariable(table, name="emb", num_shards=3, registry=varstate.Registry())
+    return checkpoint.Checkpoint(model={"emb": emb}).save(os.path.join(directory, "ckpt"), format="tf")
+
+
 def main() -> None:
-    for sub in ("ours_bundle", "ours_checkpoint", "ours_many", "ours_low_precision"):
+    for sub in ("ours_bundle", "ours_checkpoint", "ours_many", "ours_low_precision", "ours_partitioned"):
         shutil.rmtree(os.path.join(OUT, sub), ignore_errors=True)
     directory = os.path.join(OUT, "ours_bundle")
     write_bundle(os.path.join(directory, "ckpt-1"), ours_bundle_tensors())
@@ -154,6 +164,7 @@ def main() -> None:
     print("wrote", directory)
     print("wrote", ours_checkpoint(os.path.join(OUT, "ours_checkpoint")))
     print("wrote", ours_low_precision(os.path.join(OUT, "ours_low_precision")))
+    print("wrote", ours_partitioned(os.path.join(OUT, "ours_partitioned")))
     write_bundle(os.path.join(OUT, "ours_many", "many"), ours_many_tensors())
     print("wrote", os.path.join(OUT, "ours_many"))
 
