@@ -10,8 +10,9 @@ import time
 from typing import Any
 
 from checkpoint import _orbax
-from checkpoint._checkpoint import Checkpoint, LoadStatus
+from checkpoint._checkpoint import Checkpoint
 from checkpoint._reader import STATE_FILE, _inside, read_checkpoint_state, write_checkpoint_state
+from checkpoint._status import LoadStatus
 from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
