@@ -428,7 +428,7 @@ def _encode_strings(key: str, arr: np.ndarray) -> tuple[bytes, int]:
     return bytes(lengths) + checksum + strings, crc32c(strings, crc32c(checksum, crc32c(packed)))
 
 
-def _sync(f: IO[bytes]) -> None:
+def _sync(f: IO) -> None:
     # On disk before the rename that publishes it: after a power loss the checkpoint state file
     # (fsynced too) never names a checkpoint whose bytes were still in the page cache, when the
     # manager may already have deleted the one before it.

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from google.protobuf import text_format
 
-from checkpoint._bundle import BundleReader
+from checkpoint._bundle import BundleReader, _sync
 from checkpoint._table import CheckpointFormatError
 from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
 
@@ -165,8 +165,7 @@ def write_checkpoint_state(
     try:
         with open(temp, "w", encoding="utf-8") as f:
             f.write(text_format.MessageToString(state))
-            f.flush()
-            os.fsync(f.fileno())
+            _sync(f)
         os.replace(temp, path)
     finally:
         if os.path.exists(temp):

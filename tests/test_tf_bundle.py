@@ -159,6 +159,12 @@ def test_a_filesystem_without_fsync_still_saves_but_an_io_error_fails(tmp_path, 
     monkeypatch.setattr(os, "fsync", no_fsync(errno.EINVAL))  # some FUSE and network mounts
     write_bundle(tmp_path / "ok", {"a": np.arange(3.0)})
     assert BundleReader(tmp_path / "ok").get("a").tolist() == [0.0, 1.0, 2.0]
+    # The `checkpoint` state file is synced the same way: saves and the manager work there too.
+    w = varstate.Variable(jnp.arange(3.0))
+    saved = checkpoint.Checkpoint(w=w).save(str(tmp_path / "tf" / "ckpt"), format="tf")
+    assert checkpoint.latest_checkpoint(str(tmp_path / "tf")) == saved
+    manager = checkpoint.CheckpointManager(str(tmp_path / "managed"))
+    assert manager.save(1, w=w) == checkpoint.latest_checkpoint(str(tmp_path / "managed"))
     monkeypatch.setattr(os, "fsync", no_fsync(errno.EIO))
     with pytest.raises(OSError, match="Input/output error"):
         write_bundle(tmp_path / "bad", {"a": np.arange(3.0)})
