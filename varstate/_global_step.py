@@ -12,6 +12,14 @@ from varstate._registry import Registry
 from varstate._variable import Variable
 
 
+def _int64_counter(name: str, registry: Registry | None, device: Any = None) -> Variable:
+    """A zero TF int64 counter: int64 under `jax_enable_x64`, else int32 (JAX's widest), saved as int64."""
+    dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    v = Variable(jnp.zeros((), dtype, device=device), name=name, trainable=False, registry=registry)
+    v.handle.saved_dtype = np.dtype(np.int64)  # TF restores only an int64 into its own counter
+    return v
+
+
 def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     """The registry's global step, created (value 0) on first use.
 
@@ -32,9 +40,7 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     with registry._lock:
         existing = registry._global_step
         if existing is None:
-            dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
-            existing = Variable(jnp.zeros((), dtype), name="global_step", trainable=False, registry=registry)
-            existing.handle.saved_dtype = np.dtype(np.int64)
+            existing = _int64_counter("global_step", registry)
             # The registry holds the global step strongly, as TF's collection does.
             registry._global_step = existing
         return existing

@@ -7,8 +7,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from varstate._global_step import _int64_counter
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable
 from varstate.optimizers._base import Optimizer, _scalar_placement
@@ -113,10 +113,7 @@ class LossScaleOptimizer(Optimizer):
         non_slots = dict(state.non_slots)
         scale = jnp.asarray(self.initial_scale, jnp.float32, device=placement)
         non_slots[_SCALE] = Variable(scale, name=_SCALE, trainable=False, registry=registry)
-        good_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32  # Keras: int64
-        good = jnp.zeros((), good_dtype, device=placement)
-        non_slots[_GOOD] = Variable(good, name=_GOOD, trainable=False, registry=registry)
-        non_slots[_GOOD].handle.saved_dtype = np.dtype(np.int64)  # Keras restores only an int64 good_steps
+        non_slots[_GOOD] = _int64_counter(_GOOD, registry, placement)  # Keras: int64
         return OptimizerState(slots=state.slots, non_slots=non_slots)
 
     def loss_scale(self, state: OptimizerState) -> Any:
