@@ -17,7 +17,7 @@ from flax import nnx
 
 import varstate
 from varstate.optimizers import Adam
-from varstate.optimizers._base import _jitted_update
+from varstate.optimizers._step import _jitted_update
 
 REPEATS = 5
 

@@ -20,7 +20,7 @@ import numpy as np
 
 # benchmarks/checkpoint.py would shadow the `checkpoint` package for scripts run from this folder.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-from checkpoint._bundle import BundleReader, write_bundle  # noqa: E402
+from checkpoint._storage import BundleReader, write_bundle  # noqa: E402
 
 REPEATS = 7
 CASES = [("64 tensors / 256 MB", 64, 256 << 20), ("2,000 tensors / 32 MB", 2000, 32 << 20)]

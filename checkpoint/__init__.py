@@ -1,15 +1,44 @@
-"""checkpoint: TF object-graph checkpoints for varstate pytrees."""
+"""checkpoint: TF object-graph checkpoints for varstate pytrees.
 
-from checkpoint._by_name import NameBasedLoadStatus, restore_by_name
-from checkpoint._checkpoint import Checkpoint
+The public names are defined in the private modules named below and imported
+on first use, so that ``varstate-ckpt`` on a TF checkpoint imports neither
+jax nor orbax.
+
+>>> import checkpoint
+>>> checkpoint.Checkpoint.__module__
+'checkpoint._checkpoint'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from checkpoint._errors import CheckpointFormatError, DataLossError
-from checkpoint._export import Asset, export, register_revived_type
-from checkpoint._load import load
-from checkpoint._manager import CheckpointManager, latest_checkpoint
-from checkpoint._reader import read_checkpoint
-from checkpoint._status import LoadStatus
 
-__all__: list[str] = [
+if TYPE_CHECKING:
+    from checkpoint._checkpoint import Checkpoint, read_checkpoint
+    from checkpoint._export import Asset, export, load, register_revived_type
+    from checkpoint._manager import CheckpointManager, latest_checkpoint
+    from checkpoint._name_based import NameBasedLoadStatus, restore_by_name, write_name_based
+    from checkpoint._status import LoadStatus
+
+_HOME = {
+    "Asset": "_export",
+    "Checkpoint": "_checkpoint",
+    "CheckpointManager": "_manager",
+    "LoadStatus": "_status",
+    "NameBasedLoadStatus": "_name_based",
+    "export": "_export",
+    "latest_checkpoint": "_manager",
+    "load": "_export",
+    "read_checkpoint": "_checkpoint",
+    "register_revived_type": "_export",
+    "restore_by_name": "_name_based",
+    "write_name_based": "_name_based",
+}
+
+__all__ = [
     "Asset",
     "Checkpoint",
     "CheckpointFormatError",
@@ -23,4 +52,18 @@ __all__: list[str] = [
     "read_checkpoint",
     "register_revived_type",
     "restore_by_name",
+    "write_name_based",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"checkpoint.{home}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
-_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
-_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+from checkpoint import _dtypes, _keys, _storage
+
+_GRAPH_KEY = _keys.OBJECT_GRAPH_KEY
+_VALUE_SUFFIX = _keys.value_suffix()
 _PROG = "varstate-ckpt"
 
 
@@ -48,11 +50,6 @@ def _is_str(dtype: np.dtype) -> bool:
     return np.dtype(dtype).kind in "OSU"
 
 
-def _is_real(dtype: np.dtype) -> bool:
-    # ml_dtypes' bfloat16, float8, int4 and uint4 types have numpy kind "V".
-    return dtype.kind in "biuf" or (dtype.kind == "V" and dtype.name.startswith(("float", "bfloat", "int", "uint")))
-
-
 def _nbytes(reader, key: str) -> int:
     dtype = np.dtype(reader.dtype(key))
     if _is_str(dtype):  # strings: their bytes are only known once read
@@ -65,7 +62,7 @@ def _describe(reader, key: str) -> tuple[str, str, int]:
     return "string" if _is_str(dtype) else dtype.name, str(tuple(reader.shape(key))), _nbytes(reader, key)
 
 
-def _keys(reader) -> list[str]:
+def _key_list(reader) -> list[str]:
     return sorted(k for k in reader.keys() if k != _GRAPH_KEY)
 
 
@@ -86,8 +83,6 @@ def _graph_rows(graph, reader) -> tuple[list[tuple[int, str]], set[str]]:
 
     Objects are referred to by their escaped path, the prefix of their keys.
     """
-    from checkpoint._graph import escape
-
     nodes = graph.nodes
     # A node's path is the first one found breadth-first, as TF names its keys.
     paths = {0: ""}
@@ -95,7 +90,7 @@ def _graph_rows(graph, reader) -> tuple[list[tuple[int, str]], set[str]]:
     for node_id in queue:
         for child in nodes[node_id].children:
             if child.node_id not in paths and 0 <= child.node_id < len(nodes):
-                paths[child.node_id] = f"{paths[node_id]}/{escape(child.local_name)}".lstrip("/")
+                paths[child.node_id] = f"{paths[node_id]}/{_keys.escape(child.local_name)}".lstrip("/")
                 queue.append(child.node_id)
     rows: list[tuple[int, str]] = []
     seen: set[str] = set()
@@ -116,7 +111,7 @@ def _graph_rows(graph, reader) -> tuple[list[tuple[int, str]], set[str]]:
     def walk(node_id: int, depth: int) -> None:
         node = nodes[node_id]
         for child in node.children:
-            path = f"{paths[node_id]}/{escape(child.local_name)}".lstrip("/")
+            path = f"{paths[node_id]}/{_keys.escape(child.local_name)}".lstrip("/")
             if paths.get(child.node_id) != path:
                 rows.append((depth, f"{child.local_name} -> same object as {paths.get(child.node_id, '?')}"))
                 continue
@@ -133,12 +128,10 @@ def _graph_rows(graph, reader) -> tuple[list[tuple[int, str]], set[str]]:
 
 
 def _inspect(args) -> int:
-    from checkpoint._reader import read_checkpoint
-
-    reader = read_checkpoint(args.path)
+    reader = _storage.open_reader(args.path)
     if args.key is not None:
         return _inspect_key(reader, args.key)
-    keys = _keys(reader)
+    keys = _key_list(reader)
     total = 0
     for key in keys:
         total += _nbytes(reader, key)
@@ -201,7 +194,7 @@ def _inspect_key(reader, key: str) -> int:
     dtype, shape, size = _describe(reader, key)
     lines = [f"key: {key}", f"dtype: {dtype}", f"shape: {shape}", f"bytes: {size}"]
     flat = value.ravel()
-    if _is_real(value.dtype) and flat.size:
+    if _dtypes.is_real(value.dtype) and flat.size:
         x = flat if value.dtype.kind in "iu" else flat.astype(np.float64)
         lines += [f"min: {x.min()}", f"max: {x.max()}", f"mean: {x.astype(np.float64).mean()}"]
     elif value.dtype.kind == "c" and flat.size:
@@ -243,7 +236,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
-    from checkpoint import _orbax
+    from checkpoint._storage import _orbax
     from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
     values: dict[str, Any] = dict(tensors)
@@ -266,23 +259,19 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
 
 
 def _convert(args) -> int:
-    from checkpoint._reader import read_checkpoint
-
     if os.path.exists(args.dst) or os.path.exists(args.dst + ".index"):
         raise _UsageError(f"destination {args.dst!r} already exists; remove it or choose another path")
-    reader = read_checkpoint(args.src)
-    keys = _keys(reader)
+    reader = _storage.open_reader(args.src)
+    keys = _key_list(reader)
     tensors = dict(_read_all(reader, keys, "reading"))
     graph = _graph(reader)
     if args.to == "tf":
-        from checkpoint._bundle import write_bundle
-
-        write_bundle(args.dst, {**tensors, _GRAPH_KEY: graph.SerializeToString()} if graph else tensors)
+        _storage.write_bundle(args.dst, {**tensors, _GRAPH_KEY: graph.SerializeToString()} if graph else tensors)
     else:
         _write_orbax(args.dst, tensors, graph)
-    back = read_checkpoint(args.dst)
-    if set(_keys(back)) != set(keys):
-        raise _UsageError(f"verification failed: {args.dst!r} holds keys {_keys(back)}, expected {keys}")
+    back = _storage.open_reader(args.dst)
+    if set(_key_list(back)) != set(keys):
+        raise _UsageError(f"verification failed: {args.dst!r} holds keys {_key_list(back)}, expected {keys}")
     if _graph(back) != graph:
         raise _UsageError(f"verification failed: the object graph of {args.dst!r} differs from the source's")
     for key, value in _read_all(back, keys, "verifying"):
@@ -319,10 +308,8 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _diff(args) -> int:
-    from checkpoint._reader import read_checkpoint
-
-    ra, rb = read_checkpoint(args.a), read_checkpoint(args.b)
-    ka, kb = set(_keys(ra)), set(_keys(rb))
+    ra, rb = _storage.open_reader(args.a), _storage.open_reader(args.b)
+    ka, kb = set(_key_list(ra)), set(_key_list(rb))
     lines: list[str] = []
     rows: list[tuple[str, str, str]] = []
     for key in sorted(ka - kb):

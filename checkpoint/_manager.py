@@ -6,38 +6,16 @@ import os
 import re
 import shutil
 import threading
-import time
 from typing import Any
 
-from checkpoint import _orbax
+from checkpoint import _storage
 from checkpoint._checkpoint import Checkpoint
-from checkpoint._reader import STATE_FILE, _inside, read_checkpoint_state, write_checkpoint_state
 from checkpoint._status import LoadStatus
-from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
-
-_TMP_MARK = ".orbax-checkpoint-tmp"
+from checkpoint._storage import STATE_FILE, _orbax, read_checkpoint_state, record_latest
 
 
 def _exists(path: str) -> bool:
-    return _orbax.is_checkpoint(path) or os.path.isfile(path + ".index")
-
-
-def _relative(directory: str, path: str) -> str:
-    return os.path.relpath(path, directory) if os.path.dirname(os.path.abspath(path)) == directory else path
-
-
-def _record_checkpoint(directory: str, path: str, kept: list[str] | None = None, preserved: bool = False) -> None:
-    """Makes `path` the latest checkpoint in `directory`'s state file (TF's update_checkpoint_state)."""
-    directory = os.path.abspath(directory)
-    state = read_checkpoint_state(directory) or CheckpointState()
-    now = time.time()
-    stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps, strict=False))
-    # Without a manager's list, only `path` (TF's Checkpoint.save), so no manager later adopts earlier saves.
-    kept = [_relative(directory, p) for p in (kept if kept is not None else [path])]
-    write_checkpoint_state(
-        directory, _relative(directory, path), kept, [stamps.get(p, now) for p in kept],
-        now if preserved else state.last_preserved_timestamp,
-    )
+    return _storage.is_orbax(path) or os.path.isfile(path + ".index")
 
 
 def latest_checkpoint(directory: str) -> str | None:
@@ -50,12 +28,8 @@ def latest_checkpoint(directory: str) -> str | None:
     >>> os.path.basename(checkpoint.latest_checkpoint(d))
     'ckpt-2'
     """
-    directory = os.path.abspath(os.fspath(directory))
-    state = read_checkpoint_state(directory)
-    if state is None or not state.model_checkpoint_path:
-        return None
-    path = _inside(directory, state.model_checkpoint_path, os.path.join(directory, STATE_FILE))
-    return path if _exists(path) else None
+    path = _storage.latest_in(os.path.abspath(os.fspath(directory)))
+    return path if path is not None and _exists(path) else None
 
 
 class CheckpointManager:
@@ -146,7 +120,7 @@ class CheckpointManager:
             # Saved again: unlist it first, so a crash while it is rewritten leaves the previous one as latest.
             self._steps.remove(step)
             if self._steps:
-                _record_checkpoint(self.directory, self._path(self._steps[-1]), self.checkpoints)
+                record_latest(self.directory, self._path(self._steps[-1]), self.checkpoints)
             else:
                 os.remove(os.path.join(self.directory, STATE_FILE))
         ckpt.write(path, _checkpointer=self._checkpointer)
@@ -161,9 +135,11 @@ class CheckpointManager:
         # Done by the first save, not on construction: a manager that only restores (an evaluator
         # beside the trainer) must never delete a save that is still being written.
         for entry in os.listdir(self.directory):
-            if _TMP_MARK in entry or entry.startswith(f".{STATE_FILE}.tmp-"):
-                target = os.path.join(self.directory, entry)
-                shutil.rmtree(target, ignore_errors=True) if os.path.isdir(target) else os.remove(target)
+            target = os.path.join(self.directory, entry)
+            if entry.startswith(f".{STATE_FILE}.tmp-"):
+                os.remove(target)
+            elif os.path.isdir(target) and _orbax.is_temporary(target):
+                shutil.rmtree(target, ignore_errors=True)
         self._cleaned = True
 
     def _finish(self, step: int) -> None:
@@ -180,7 +156,7 @@ class CheckpointManager:
             while len(steps) > self.max_to_keep:
                 removed.append(steps.pop(0))
         keep = [s for s in removed if self.keep_every_n_steps and s % self.keep_every_n_steps == 0]
-        _record_checkpoint(self.directory, self._path(step), [self._path(s) for s in steps], preserved=bool(keep))
+        record_latest(self.directory, self._path(step), [self._path(s) for s in steps], preserved=bool(keep))
         self._steps = steps
         for s in removed:
             if s in keep:

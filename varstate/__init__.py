@@ -2,9 +2,10 @@
 
 from varstate import mixed_precision, optimizers
 from varstate._autocast import AutoCastVariable, autocast
+from varstate._conversion import convert_to_tensor_or_indexed_slices
 from varstate._custom_gradient import custom_gradient
 from varstate._global_step import assert_global_step, get_or_create_global_step
-from varstate._indexed_slices import IndexedSlices, convert_to_tensor_or_indexed_slices
+from varstate._indexed_slices import IndexedSlices
 from varstate._initializers import uninitialized, zero_initializer
 from varstate._partition import (
     PartitionedVariable,

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from varstate._array_ops import _ArrayOps, _unwrap
 from varstate._indexed_slices import IndexedSlices
-from varstate._variable import Variable, _ArrayOps, _unwrap
+from varstate._variable import Variable
 
 _state = threading.local()
 

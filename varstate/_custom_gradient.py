@@ -31,9 +31,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as _core
 
-from varstate import _variable
+from varstate import _jax_compat, _variable
 from varstate._variable import Variable, _from_parts
 
 # ---------------------------------------------------------------------------
@@ -77,14 +76,9 @@ def _is_outside(val: Any, trace: Any) -> bool:
     """True if `val` was not made under `trace` (f's own eval_shape trace)."""
     if not isinstance(val, jax.Array):
         return False  # uninitialized (ShapeDtypeStruct): nothing to lift
-    if not isinstance(val, _core.Tracer):
+    if not isinstance(val, _jax_compat.Tracer):
         return True
-    t = val._trace
-    while t is not None:
-        if t is trace:
-            return False
-        t = getattr(t, "parent_trace", None)
-    return True
+    return not _jax_compat.made_under(val, trace)
 
 
 # ---------------------------------------------------------------------------
@@ -110,7 +104,7 @@ def _closure_convert(fn: Callable, example: Any) -> tuple[_Static, list]:
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(example)
     jaxpr, consts, out_tree = closed.jaxpr, list(closed.consts), jax.tree.structure(out_shape)
-    hoist = [isinstance(c, _core.Tracer) for c in consts]
+    hoist = [isinstance(c, _jax_compat.Tracer) for c in consts]
     kept = [c for c, h in zip(consts, hoist, strict=True) if not h]
 
     def converted(args: Any, hoisted: list) -> Any:
@@ -255,13 +249,14 @@ def _check_signature(grad_fn: Callable, fname: str, var_names: list[str]) -> Non
 
 
 def _call(f: Callable, fname: str, args: tuple) -> Any:
+    _jax_compat.check_ancestry_internals()  # before any tracing: a missing internal fails here, named
     # 1. Discover, abstractly (no FLOPs), the variables f reads from outside, and those its grad_fn reads.
     arg_leaves = jax.tree.leaves(args)
     arg_ids = {id(x) for x in arg_leaves}
     found: dict[str, Any] = {}
 
     def record(*a):
-        trace = _core.unsafe_get_current_trace()
+        trace = _jax_compat.current_trace()
         reads: dict[int, tuple[Any, Any]] = {}
 
         def read(v, val):

@@ -12,7 +12,7 @@ from varstate._registry import Registry
 from varstate._variable import Variable
 
 
-def _int64_counter(name: str, registry: Registry | None, device: Any = None) -> Variable:
+def int64_counter(name: str, registry: Registry | None, device: Any = None) -> Variable:
     """A zero TF int64 counter: int64 under `jax_enable_x64`, else int32 (JAX's widest), saved as int64."""
     dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
     v = Variable(jnp.zeros((), dtype, device=device), name=name, trainable=False, registry=registry)
@@ -40,7 +40,7 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     with registry._lock:
         existing = registry._global_step
         if existing is None:
-            existing = _int64_counter("global_step", registry)
+            existing = int64_counter("global_step", registry)
             # The registry holds the global step strongly, as TF's collection does.
             registry._global_step = existing
         return existing

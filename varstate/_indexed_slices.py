@@ -7,7 +7,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.core import Tracer as _Tracer
 
 
 class IndexedSlices:
@@ -74,44 +73,3 @@ def _make(values: Any, indices: Any, dense_shape: Any) -> IndexedSlices:
     s = object.__new__(IndexedSlices)
     s.values, s.indices, s.dense_shape = values, indices, dense_shape
     return s
-
-
-def convert_to_tensor_or_indexed_slices(value: Any, dtype: Any = None, name: str | None = None) -> Any:
-    """Returns `value` as IndexedSlices or a jax.Array; TypeError for anything else (as TF).
-
-    Variables are read; IndexedSlices pass through. ValueError, as TF, when
-    `dtype` differs from that of IndexedSlices, a jax.Array or a Variable
-    (numbers and numpy arrays are converted to `dtype`).
-
-    >>> import varstate
-    >>> varstate.convert_to_tensor_or_indexed_slices([1.0, 2.0]).tolist()
-    [1.0, 2.0]
-    """
-    from varstate._variable import Variable
-
-    where = f" ({name})" if name else ""
-    if isinstance(value, Variable):
-        value = value.read_value()
-    if isinstance(value, (IndexedSlices, jax.Array)) and dtype is not None and jnp.dtype(dtype) != value.dtype:
-        kind = "IndexedSlices" if isinstance(value, IndexedSlices) else "Tensor"  # never cast, as TF
-        raise ValueError(
-            f"Tensor conversion requested dtype {jnp.dtype(dtype)} for {kind} with dtype {value.dtype}{where}."
-        )
-    if isinstance(value, IndexedSlices):
-        return value
-    if isinstance(value, (str, bytes, dict, set)) or value is None:
-        raise TypeError(
-            f"Cannot convert {type(value).__name__} {value!r:.60} to a tensor or IndexedSlices{where}: "
-            "expected an array, a number, a Variable or IndexedSlices."
-        )
-    if isinstance(value, (jax.Array, _Tracer)) or hasattr(value, "__array__") or isinstance(
-        value, (int, float, complex, bool, list, tuple, np.generic)
-    ):
-        try:
-            return jnp.asarray(value, dtype=dtype)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"Cannot convert {type(value).__name__} to a tensor{where}: {e}") from None
-    raise TypeError(
-        f"Cannot convert {type(value).__name__} to a tensor or IndexedSlices{where}: "
-        "expected an array, a number, a Variable or IndexedSlices."
-    )

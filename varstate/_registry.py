@@ -56,6 +56,16 @@ def name_scope(name: str) -> Iterator[str]:
         _scope.stack = stack
 
 
+@contextlib.contextmanager
+def outside_name_scopes() -> Iterator[None]:
+    """Names given inside ignore the enclosing `name_scope`s (for a name built from a scoped one)."""
+    stack = getattr(_scope, "stack", ())
+    _scope.stack = ()
+    try:
+        yield
+    finally:
+        _scope.stack = stack
+
 class Registry:
     """Tracks live resources: lookup by id and TF-style unique names.
 

@@ -9,16 +9,16 @@ jit's cache stay at C level, and unflatten is two attribute stores.
 from __future__ import annotations
 
 import enum
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as _core
 
+from varstate._array_ops import _ArrayOps, _unwrap
 from varstate._indexed_slices import IndexedSlices
-from varstate._registry import Registry, _current_scope, _next_resource_id, _scope
+from varstate._jax_compat import Tracer, in_transformation
+from varstate._registry import Registry, _current_scope, _next_resource_id
 
 
 class VariableSynchronization(enum.IntEnum):
@@ -58,11 +58,6 @@ def _enum_value(enum_cls: type[enum.IntEnum], value: Any, what: str) -> enum.Int
         f"Invalid variable {what} {value!r}: expected one of "
         f"{', '.join(f'{enum_cls.__name__}.{m}' for m in enum_cls.__members__)}."
     )
-
-
-def in_transformation() -> bool:
-    """True while JAX is tracing (jit, grad, vmap, eval_shape, ...)."""
-    return not isinstance(_core.unsafe_get_current_trace(), _core.EvalTrace)
 
 
 class ResourceHandle:
@@ -116,50 +111,6 @@ def _from_parts(value: Any, handle: ResourceHandle) -> Variable:
 # of the Variable) so that lifted values replace closed-over ones; None
 # otherwise, which keeps the common read a single global check.
 _read_hook = None
-
-
-def _unwrap(x: Any) -> Any:
-    return x.value if isinstance(x, _ArrayOps) else x
-
-
-class _ArrayOps:
-    """Operators and numpy's array protocol on `self.read_value()`: shared by Variable and AutoCastVariable."""
-
-    __slots__ = ()
-    # Elementwise __eq__ makes variables unhashable, as in TF; use `ref()`.
-    __hash__ = None  # type: ignore[assignment]
-    # Above numpy's: `np_array * v` calls our __rmul__ (a jax value, traceable) instead of __array__.
-    __array_priority__ = 100
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.asarray(self.read_value(), dtype=dtype)
-        return out.copy() if copy else out
-
-    def __getitem__(self, idx: Any) -> Any:
-        return self.read_value()[idx]
-
-    def __iter__(self) -> Any:
-        # Without it Python iterates through __getitem__, which jax clamps: it never stops.
-        return iter(self.read_value())
-
-    def __bool__(self) -> bool:
-        return bool(self.read_value())
-
-    def __float__(self) -> float:
-        return float(self.read_value())
-
-    def __int__(self) -> int:
-        return int(self.read_value())
-
-    def __index__(self) -> int:
-        return operator.index(self.read_value())
-
-    def astype(self, dtype: Any) -> Any:
-        return self.read_value().astype(dtype)
-
-    @property
-    def T(self) -> Any:  # noqa: N802 - numpy's name
-        return self.read_value().T
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, list, tuple)
@@ -218,7 +169,7 @@ class Variable(_ArrayOps):
         registry: Registry | None = None,
         save_slice_info: Any = None,
     ) -> None:
-        if in_transformation() or isinstance(initial_value, _core.Tracer):
+        if in_transformation() or isinstance(initial_value, Tracer):
             raise ValueError(
                 f"Variable {name or 'Variable'!r} created inside a JAX transformation "
                 "(jit, grad, vmap, ...). Variables are created outside and updated inside: "
@@ -363,7 +314,7 @@ class Variable(_ArrayOps):
             )
         value = jnp.asarray(value)
         sharding = self.sharding
-        if sharding is not None and not isinstance(value, _core.Tracer) and value.sharding != sharding:
+        if sharding is not None and not isinstance(value, Tracer) and value.sharding != sharding:
             # Keep the variable where it lives (mesh shards stay shards).
             value = jax.device_put(value, sharding)
         return value
@@ -410,7 +361,7 @@ class Variable(_ArrayOps):
                 f"Variable {self.name!r}.{op}: dtype mismatch: the variable is {self.dtype}, "
                 f"the updates are {updates.dtype}."
             )
-        if not isinstance(indices, _core.Tracer) and indices.size:
+        if not isinstance(indices, Tracer) and indices.size:
             lo, hi = int(indices.min()), int(indices.max())
             if lo < 0 or hi >= self.shape[0]:
                 bad = lo if lo < 0 else hi
@@ -449,59 +400,9 @@ class Variable(_ArrayOps):
         head = f"<varstate.Variable {self.name!r} shape={self.shape} dtype={self.dtype}"
         if not self.is_initialized:
             return head + " (uninitialized)>"
-        if isinstance(self._value, _core.Tracer):
+        if isinstance(self._value, Tracer):
             return head + f" value={self._value}>"
         return head + f", numpy={np.array2string(np.asarray(self._value), threshold=20)}>"
-
-
-def _binary(op, reflected=False):
-    if reflected:
-        def method(self, other):
-            return op(_unwrap(other), self.read_value())
-    else:
-        def method(self, other):
-            return op(self.read_value(), _unwrap(other))
-    return method
-
-
-for _name, _op in {
-    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
-    "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "matmul": operator.matmul,
-    "and": operator.and_, "or": operator.or_, "xor": operator.xor,
-    "lshift": operator.lshift, "rshift": operator.rshift,
-}.items():
-    setattr(_ArrayOps, f"__{_name}__", _binary(_op))
-    setattr(_ArrayOps, f"__r{_name}__", _binary(_op, reflected=True))
-for _name, _op in {
-    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
-    "eq": operator.eq, "ne": operator.ne,
-}.items():
-    setattr(_ArrayOps, f"__{_name}__", _binary(_op))
-for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs, "invert": operator.invert}.items():
-    setattr(_ArrayOps, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
-
-
-def make_slot(primary: Variable, slot_name: str, value: Any) -> Variable:
-    """A slot Variable for `primary` (TF's `_create_slot_var`), linked by resource id.
-
-    Named ``<primary name>/<slot name>``, non-trainable, in the primary's
-    registry; a shard's slot gets the shard's slice of a full slot named
-    ``<full name>/<slot name>``.
-    """
-    info = primary.save_slice_info
-    if info is not None:
-        info = type(info)(f"{info.full_name}/{slot_name}", info.full_shape, info.var_offset, info.var_shape)
-    registry = primary._handle.registry
-    stack = getattr(_scope, "stack", ())
-    _scope.stack = ()  # the primary's name has its scope already
-    try:
-        slot = Variable(value, name=f"{primary.name}/{slot_name}", trainable=False,
-                        save_slice_info=info, registry=registry)
-    finally:
-        _scope.stack = stack
-    slot._handle.slot_of = primary.resource_id
-    slot._handle.slot_name = slot_name
-    return slot
 
 
 def _flatten_with_keys(v: Variable):
@@ -545,7 +446,7 @@ def format_device(v: Any) -> str:
     True
     """
     sharding = getattr(v, "sharding", None)
-    if sharding is None or isinstance(getattr(v, "value", None), _core.Tracer):
+    if sharding is None or isinstance(getattr(v, "value", None), Tracer):
         return "(resource)"
     devices = sharding.device_set
     if len(devices) == 1:

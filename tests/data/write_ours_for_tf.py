@@ -24,8 +24,8 @@ import shutil
 import ml_dtypes
 import numpy as np
 
-from checkpoint._bundle import GRAPH_KEY, write_bundle
-from checkpoint._reader import write_checkpoint_state
+from checkpoint._keys import OBJECT_GRAPH_KEY as GRAPH_KEY
+from checkpoint._storage import write_bundle, write_checkpoint_state
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_checkpoints")

@@ -1,11 +1,13 @@
 """Optimizers with TF's slot and non-slot variables, as jitted pure updates (dense and sparse)."""
 
-from varstate.optimizers._adagrad import Adagrad, RMSProp
+from varstate.optimizers._adagrad import Adagrad
 from varstate.optimizers._adam import Adam
 from varstate.optimizers._base import Optimizer
-from varstate.optimizers._gradient_descent import GradientDescent, Momentum
+from varstate.optimizers._gradient_descent import GradientDescent
 from varstate.optimizers._loss_scale import LossScaleOptimizer
+from varstate.optimizers._momentum import Momentum
 from varstate.optimizers._optax import from_optax
+from varstate.optimizers._rmsprop import RMSProp
 from varstate.optimizers._state import OptimizerState
 
 __all__ = [

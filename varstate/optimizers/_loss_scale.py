@@ -8,10 +8,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from varstate._global_step import _int64_counter
+from varstate._global_step import int64_counter
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable
-from varstate.optimizers._base import Optimizer, _scalar_placement
+from varstate.optimizers._base import Optimizer
+from varstate.optimizers._slots import _scalar_placement
 from varstate.optimizers._state import OptimizerState
 
 _SCALE, _GOOD = "current_loss_scale", "good_steps"  # Keras's variable names (checkpoint keys)
@@ -113,7 +114,7 @@ class LossScaleOptimizer(Optimizer):
         non_slots = dict(state.non_slots)
         scale = jnp.asarray(self.initial_scale, jnp.float32, device=placement)
         non_slots[_SCALE] = Variable(scale, name=_SCALE, trainable=False, registry=registry)
-        non_slots[_GOOD] = _int64_counter(_GOOD, registry, placement)  # Keras: int64
+        non_slots[_GOOD] = int64_counter(_GOOD, registry, placement)  # Keras: int64
         return OptimizerState(slots=state.slots, non_slots=non_slots)
 
     def loss_scale(self, state: OptimizerState) -> Any:

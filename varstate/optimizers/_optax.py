@@ -9,18 +9,18 @@ import jax
 import jax.numpy as jnp
 
 from varstate._indexed_slices import IndexedSlices
-from varstate._variable import Variable, make_slot
-from varstate.optimizers._base import (
-    Optimizer,
+from varstate._variable import Variable
+from varstate.optimizers._base import Optimizer
+from varstate.optimizers._matching import (
     _check_indices_range,
     _convert_grad,
     _flatten_grads,
     _is_var,
     _label,
     _owners,
-    _scalar_placement,
     _value,
 )
+from varstate.optimizers._slots import _scalar_placement, make_slot
 from varstate.optimizers._state import OptimizerState
 
 

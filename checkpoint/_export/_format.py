@@ -1,0 +1,100 @@
+"""The export format's constants and the registry of revived types (TF's `revived_types`), shared by save and load.
+
+Layout of an export directory (TF's SavedModel layout, our own top-level file):
+
+    export.pb                   ExportDef: format version, SavedObjectGraph, asset file names, function digests
+    variables/variables.*       TensorBundle with TF's object-graph keys (variables, captured constants)
+    functions/<name>            one `jax.export` serialization per signature
+    assets/<file>               copies of the exported `Asset` files
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from checkpoint.protos.versions_pb2 import VersionDef
+
+VERSION = 1  # this exporter's format version; a reader accepts min_consumer <= VERSION
+EXPORT_FILE = "export.pb"
+SIGNATURES = "signatures"
+WRAPPERS = {dict: "trackable_dict_wrapper", list: "trackable_list_wrapper", tuple: "trackable_tuple_wrapper"}
+GENERIC = "_generic_user_object"
+SIGNATURE_MAP = "signature_map"
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+class Asset:
+    """A file that goes with an export: copied into ``<export>/assets/``; loaded, `asset_path` points at the copy.
+
+    >>> import pathlib, tempfile, checkpoint
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (tmp / "vocab.txt").write_text("a b")
+    >>> _ = checkpoint.export(tmp / "out", {"vocab": checkpoint.Asset(tmp / "vocab.txt")})
+    >>> pathlib.Path(checkpoint.load(tmp / "out").vocab.asset_path).read_text().split()
+    ['a', 'b']
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.asset_path = os.fspath(path)
+
+    def __repr__(self) -> str:
+        return f"Asset({self.asset_path!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    cls: type
+    version: int
+    min_producer_version: int
+    min_consumer_version: int
+    bad_consumers: tuple[int, ...]
+    from_children: Callable[[dict[str, Any]], Any]
+
+    def accepts(self, v: VersionDef) -> bool:  # TF's rule for a revived type
+        return self.version >= v.min_consumer and v.producer >= self.min_producer_version and (
+            self.version not in v.bad_consumers)
+
+
+REVIVED: dict[str, list[Registration]] = {}  # identifier -> registrations, highest version first
+IDENTIFIER_OF: dict[type, str] = {}
+
+
+def register_revived_type(identifier: str, cls: type, *, version: int = 1, min_producer_version: int = 1,
+                          min_consumer_version: int = 1, bad_consumers: tuple[int, ...] = (),
+                          from_children: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    """Registers pytree type `cls` under `identifier` so `load` rebuilds it (TF's revived types).
+
+    `export` writes the highest registered `version` with `min_consumer_version`
+    and `bad_consumers`. `load` uses the highest registration whose version is
+    ``>= min_consumer`` of the file, not among its `bad_consumers`, and whose
+    `min_producer_version` the file's version reaches; with none it loads a
+    generic object and logs why. `from_children` builds the object from
+    ``{child name: loaded child}`` (default ``cls(**children)``, which suits
+    dataclasses and NamedTuples). Registering a version again replaces it.
+
+    >>> import dataclasses, os, tempfile, jax, jax.numpy as jnp, varstate, checkpoint
+    >>> @jax.tree_util.register_dataclass
+    ... @dataclasses.dataclass
+    ... class Dense:
+    ...     kernel: varstate.Variable
+    >>> checkpoint.register_revived_type("example.Dense", Dense, version=2, min_consumer_version=1)
+    >>> root = {"dense": Dense(varstate.Variable(jnp.ones(2)))}
+    >>> path = checkpoint.export(os.path.join(tempfile.mkdtemp(), "m"), root)
+    >>> type(checkpoint.load(path).dense).__name__
+    'Dense'
+    """
+    if not isinstance(identifier, str) or not identifier or identifier in (*WRAPPERS.values(), GENERIC,
+                                                                           SIGNATURE_MAP):
+        raise ValueError(f"register_revived_type: identifier must be a new non-empty string, got {identifier!r}.")
+    if IDENTIFIER_OF.get(cls, identifier) != identifier:
+        raise ValueError(f"register_revived_type: {cls.__qualname__} is already registered as "
+                         f"{IDENTIFIER_OF[cls]!r}; one type has one identifier.")
+    reg = Registration(cls, version, min_producer_version, min_consumer_version, tuple(bad_consumers),
+                        from_children or (lambda children: cls(**children)))
+    regs = [r for r in REVIVED.get(identifier, []) if r.version != version] + [reg]
+    REVIVED[identifier] = sorted(regs, key=lambda r: -r.version)
+    IDENTIFIER_OF[cls] = identifier

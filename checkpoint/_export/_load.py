@@ -1,0 +1,285 @@
+"""`load`: an export directory back as objects, with its signatures runnable.
+
+Nothing loaded executes Python code from the files: objects are rebuilt from
+the SavedObjectGraph (registered types through `register_revived_type`),
+values come from the TensorBundle, functions through `jax.export.deserialize`
+after their sha256 is checked against the ExportDef.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from checkpoint import _dtypes, _graph, _keys
+from checkpoint._errors import CheckpointFormatError
+from checkpoint._export._format import (
+    EXPORT_FILE,
+    FUNCTION_NAME,
+    GENERIC,
+    REVIVED,
+    SIGNATURE_MAP,
+    SIGNATURES,
+    VERSION,
+    WRAPPERS,
+    Asset,
+)
+from checkpoint._storage import BundleReader
+from checkpoint.protos import saved_object_graph_pb2 as pb
+from varstate import Registry, Variable, VariableAggregation, VariableSynchronization, _seam
+
+_log = logging.getLogger("checkpoint")
+
+
+class RevivedObject:
+    """A loaded object of a type not registered here (TF's generic user object): its children as attributes."""
+
+    def __init__(self, identifier: str, children: Mapping[str, Any]) -> None:
+        self.__dict__.update(children)
+        self.__dict__["_identifier"] = identifier
+
+    def __repr__(self) -> str:
+        names = sorted(k for k in self.__dict__ if k != "_identifier")
+        return f"RevivedObject({self._identifier!r}, attributes={names})"
+
+
+def _fit(value: Any, aval: Any) -> Any:
+    """A captured value in the dtype the function was traced with.
+
+    They differ in width only when JAX's 64-bit types were set otherwise at
+    export: an int64 global step, exported from int32 and loaded with x64 on,
+    goes back to int32 (it was int32 when traced, so it fits).
+    """
+    dtype = getattr(value, "dtype", None)
+    same_kind = dtype is not None and np.dtype(dtype).kind == np.dtype(aval.dtype).kind
+    if same_kind and dtype != aval.dtype and jax.dtypes.canonicalize_dtype(aval.dtype) == aval.dtype:
+        return jnp.asarray(value).astype(aval.dtype)
+    return value
+
+
+class Signature:
+    """A loaded signature: checks the arguments, then runs the deserialized `jax.export.Exported` on them
+    and on the restored variables and constants it reads."""
+
+    def __init__(self, name: str, exported: jax.export.Exported, captured: list[Any], where: str) -> None:
+        self.name, self.exported, self._captured, self._where = name, exported, captured, where
+        top = jax.tree_util.treedef_children(exported.in_tree)[0]  # ((captured, *args), {})
+        self._arg_trees = jax.tree_util.treedef_children(top)[1:]
+        self._arg_avals = exported.in_avals[len(captured):]
+        self._inputs = [_fit(c.value if isinstance(c, Variable) else c, aval)
+                        for c, aval in zip(captured, exported.in_avals[:len(captured)], strict=True)]
+        self._call = jax.jit(exported.call)  # compiled once per input shape, then a plain jit dispatch
+
+    def __repr__(self) -> str:
+        args = ", ".join(str(a.str_short()) for a in self._arg_avals)
+        return f"Signature({self.name!r}, ({args}) -> {self.exported.out_tree})"
+
+    def __call__(self, *args: Any) -> Any:
+        what = f"Signature {self.name!r} of {self._where}"
+        if len(args) != len(self._arg_trees):
+            raise TypeError(f"{what} takes {len(self._arg_trees)} positional argument(s), got {len(args)}.")
+        leaves = []
+        for i, (arg, tree) in enumerate(zip(args, self._arg_trees, strict=True)):
+            found = jax.tree.structure(arg)
+            if found != tree:
+                raise TypeError(f"{what}: argument {i} has structure {found}, expected {tree}.")
+            leaves.extend(jax.tree.leaves(arg))
+        for j, (x, aval) in enumerate(zip(leaves, self._arg_avals, strict=True)):
+            shape, dtype = (x.shape, x.dtype) if hasattr(x, "dtype") and hasattr(x, "shape") else (
+                np.shape(x), jnp.asarray(x).dtype)
+            fits = len(shape) == len(aval.shape) and all(
+                jax.export.is_symbolic_dim(d) or d == n for d, n in zip(aval.shape, shape, strict=True))
+            if dtype != aval.dtype or not fits:
+                expected, got = aval.str_short(), f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+                raise (TypeError if dtype != aval.dtype else ValueError)(
+                    f"{what}: input {j} expects {expected}, got {got}. Pass arrays of that dtype and shape "
+                    "(symbolic dimensions accept any size).")
+        return self._call(self._inputs, *args)
+
+
+def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> RevivedObject:
+    """Loads an export: an object whose attributes mirror the exported root, plus `signatures`.
+
+    Variables come back as `varstate.Variable`s with their names and flags (in
+    `registry`, by default a new one, so names are kept exactly), arrays and
+    Python scalars as they were, dicts/lists/tuples as such, registered types
+    through `register_revived_type`, other containers as generic objects, and
+    ``signatures[name](*args)`` runs the exported function. Needs none of the
+    code that made the export.
+
+    >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
+    >>> root = {"scale": varstate.Variable(jnp.float32(3.0), name="scale", trainable=False), "offset": jnp.ones(2)}
+    >>> path = checkpoint.export(os.path.join(tempfile.mkdtemp(), "m"), root,
+    ...                          {"apply": (lambda r, x: x * r["scale"].value + r["offset"], (jnp.zeros(2),))})
+    >>> loaded = checkpoint.load(path)
+    >>> loaded.scale.name, loaded.scale.trainable, loaded.signatures["apply"](jnp.array([1.0, 2.0])).tolist()
+    ('scale', False, [4.0, 7.0])
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    top = os.path.join(directory, EXPORT_FILE)
+    if not os.path.isfile(top):
+        hint = (" It is a TensorFlow SavedModel (saved_model.pb), which this does not load."
+                if os.path.isfile(os.path.join(directory, "saved_model.pb")) else "")
+        raise FileNotFoundError(f"load: {directory!r} is not an export written by checkpoint.export "
+                                f"(no {EXPORT_FILE}).{hint}")
+    with open(top, "rb") as f:
+        try:
+            definition = pb.ExportDef.FromString(f.read())
+        except DecodeError:
+            raise CheckpointFormatError(f"{top}: not a valid ExportDef (the file is corrupt).") from None
+    v = definition.version
+    if v.producer < 1 or not definition.object_graph.nodes:
+        raise CheckpointFormatError(f"{top}: no format version or no objects (the file is corrupt).")
+    if v.min_consumer > VERSION or VERSION in v.bad_consumers:
+        raise ValueError(f"load: {directory!r} has export format version {v.producer} for readers of version >= "
+                         f"{v.min_consumer} except {list(v.bad_consumers)}; this reader is version {VERSION}. "
+                         "Upgrade varstate to load it.")
+    loader = _Loader(directory, definition, registry or Registry())
+    try:
+        return loader.root()
+    finally:
+        loader.reader.close()
+
+
+class _Loader:
+    def __init__(self, directory: str, definition: pb.ExportDef, registry: Registry) -> None:
+        self.dir, self.definition, self.registry = directory, definition, registry
+        self.graph = definition.object_graph
+        self.reader = BundleReader(os.path.join(directory, "variables", "variables"))
+        self.ckpt_graph = self.reader.object_graph
+        self.names = _graph.node_names(self.graph)
+        self.memo: dict[int, Any] = {}
+        self.building: set[int] = set()
+
+    def fail(self, node: int, message: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.dir}: node {node} ({self.names[node]}): {message}")
+
+    def root(self) -> RevivedObject:
+        try:
+            kids = self.children(0)
+        except RecursionError:
+            raise CheckpointFormatError(f"{self.dir}: the object graph nests too deeply.") from None
+        return RevivedObject(self.graph.nodes[0].user_object.identifier or GENERIC, kids)
+
+    def children(self, node: int) -> dict[str, Any]:
+        return {ref.local_name: self.node(ref.node_id, node) for ref in self.graph.nodes[node].children}
+
+    def node(self, i: int, parent: int) -> Any:
+        if not 0 < i < len(self.graph.nodes):
+            raise self.fail(parent, f"refers to node {i}, outside the graph's {len(self.graph.nodes)} nodes")
+        if i in self.memo:
+            return self.memo[i]
+        if i in self.building:
+            raise self.fail(i, "is its own descendant (a cycle in the object graph)")
+        self.building.add(i)
+        proto = self.graph.nodes[i]
+        kind = proto.WhichOneof("kind")
+        if kind not in ("variable", "constant", "asset", "bare_concrete_function", "user_object"):
+            raise self.fail(i, f"has kind {kind!r}, which load does not support")
+        obj = getattr(self, kind)(i, getattr(proto, kind))
+        self.building.discard(i)
+        self.memo[i] = obj
+        return obj
+
+    def value(self, i: int, key: str) -> np.ndarray:
+        if key not in self.reader:
+            raise self.fail(i, f"its value {key!r} is missing from {self.reader.prefix}")
+        return self.reader.get(key)
+
+    def variable(self, i: int, sv: pb.SavedVariable) -> Variable:
+        attrs = self.ckpt_graph.nodes[i].attributes if self.ckpt_graph and i < len(self.ckpt_graph.nodes) else []
+        if not attrs:
+            raise self.fail(i, "the variables' object graph has no value for this variable")
+        value = self.value(i, attrs[0].checkpoint_key)
+        shape, dtype = tuple(d.size for d in sv.shape.dim), _dtypes.BY_ENUM.get(sv.dtype)
+        if value.shape != shape or value.dtype != dtype:
+            raise self.fail(i, f"stored value is {value.dtype}{list(value.shape)}, the graph says {dtype}{list(shape)}")
+        held = self.held(value, self.names[i], attrs[0].checkpoint_key)
+        try:
+            var = Variable(jnp.asarray(held), name=sv.name or None, trainable=sv.trainable,
+                           synchronization=VariableSynchronization(sv.synchronization),
+                           aggregation=VariableAggregation(sv.aggregation), registry=self.registry)
+        except (ValueError, TypeError) as e:
+            raise self.fail(i, str(e)) from None
+        if held.dtype != value.dtype:  # saved again as it was (TF's int64 global step)
+            _seam.record_saved_dtype(var, value.dtype)
+        return var
+
+    @staticmethod
+    def held(value: np.ndarray, name: str, key: str) -> np.ndarray:
+        """`value` in the dtype JAX holds it in: 64-bit types narrowed, with a range check, when x64 is off."""
+        return _dtypes.narrow_to_held(value, name, key)
+
+    def constant(self, i: int, const: pb.SavedConstant) -> Any:
+        key = const.operation
+        value = self.value(i, key)
+        if key.endswith(_keys.value_suffix(_keys.PY_STATE)):  # a Python scalar
+            item = value.item()
+            return item.decode() if isinstance(item, bytes) else item
+        return jnp.asarray(self.held(value, self.names[i], key))
+
+    def asset(self, i: int, asset: pb.SavedAsset) -> Asset:
+        index = asset.asset_file_def_index
+        files = self.definition.asset_file_def
+        if not 0 <= index < len(files):
+            raise self.fail(i, f"asset index {index} is outside the {len(files)} asset files")
+        assets = os.path.realpath(os.path.join(self.dir, "assets"))
+        path = os.path.realpath(os.path.join(assets, files[index].filename))
+        if os.path.dirname(path) != assets or not files[index].filename:
+            raise self.fail(i, f"asset file name {files[index].filename!r} leads outside {assets}; refusing it")
+        return Asset(path)
+
+    def user_object(self, i: int, uo: pb.SavedUserObject) -> Any:
+        if uo.identifier == SIGNATURE_MAP:
+            return self.children(i)
+        kids = self.children(i)
+        if uo.identifier == WRAPPERS[dict]:
+            return kids
+        if uo.identifier in (WRAPPERS[list], WRAPPERS[tuple]):
+            items = [kids[k] for k in sorted(kids, key=lambda k: int(k) if k.isdigit() else -1)]
+            return items if uo.identifier == WRAPPERS[list] else tuple(items)
+        regs = REVIVED.get(uo.identifier, [])  # read at load time: registrations may change
+        for reg in regs:
+            if reg.accepts(uo.version):
+                try:
+                    return reg.from_children(kids)
+                except (TypeError, ValueError) as e:
+                    e.add_note(f"while reviving {self.names[i]} as {uo.identifier!r} version {reg.version}")
+                    raise
+        if uo.identifier != GENERIC:
+            why = (f"no registered version accepts version {uo.version.producer} (min_consumer "
+                   f"{uo.version.min_consumer}, bad_consumers {list(uo.version.bad_consumers)}; registered: "
+                   f"{[r.version for r in regs]})" if regs else "the type is not registered here")
+            _log.warning("load: %s (%s, identifier %r) is loaded as a generic object: %s.", self.names[i],
+                         uo.metadata, uo.identifier, why)
+        return RevivedObject(uo.identifier, kids)
+
+    def bare_concrete_function(self, i: int, bare: pb.SavedBareConcreteFunction) -> Signature:
+        name = bare.concrete_function_name
+        if name not in self.graph.concrete_functions or not FUNCTION_NAME.fullmatch(name):
+            raise self.fail(i, f"names concrete function {name!r}, which the export does not have")
+        path = os.path.join(self.dir, "functions", name)
+        with open(path, "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).digest() != self.definition.function_sha256.get(name):
+            raise CheckpointFormatError(f"{path}: the function file does not match its sha256 in {EXPORT_FILE} "
+                                        "(it was modified or is corrupt); export the model again.")
+        try:
+            exported = jax.export.deserialize(bytearray(data))
+        except (ValueError, TypeError, IndexError, struct.error) as e:
+            raise CheckpointFormatError(f"{path}: jax.export cannot deserialize it ({e}).") from e
+        captured = [self.node(n, i) for n in self.graph.concrete_functions[name].bound_inputs]
+        if exported.in_tree.children()[0].children()[0].num_leaves != len(captured):  # ((captured, *args), {})
+            raise self.fail(i, f"function {name!r} takes a different number of captured inputs than its "
+                               f"{len(captured)} bound_inputs")
+        label = self.names[i].replace("(root).", "").replace(f"{SIGNATURES}.", "", 1)
+        return Signature(label, exported, captured, self.dir)

@@ -1,0 +1,52 @@
+"""The object graph: pytrees <-> TF's TrackableObjectGraph, format-agnostic.
+
+`_walk` names an object's dependencies as TF does; `_build` turns roots into
+the graph proto and the values to store under its keys; `_match` matches a
+stored graph against templates and loads their values through a storage
+reader. Nothing here reads or writes files.
+"""
+
+from checkpoint._graph._build import Graph, Saveable, build, node_names, values
+from checkpoint._graph._match import RestoreState, restore_roots
+from checkpoint._graph._walk import (
+    ARRAY,
+    CONTAINER,
+    NONE,
+    OPTIMIZER,
+    PARTITIONED,
+    PLAIN_SLOTS,
+    PYTHON,
+    VARIABLE,
+    as_variable,
+    children,
+    key_name,
+    kind,
+    rebuild,
+    rewrap,
+    slot_variables,
+)
+
+__all__ = [
+    "ARRAY",
+    "CONTAINER",
+    "NONE",
+    "OPTIMIZER",
+    "PARTITIONED",
+    "PLAIN_SLOTS",
+    "PYTHON",
+    "VARIABLE",
+    "Graph",
+    "RestoreState",
+    "Saveable",
+    "as_variable",
+    "build",
+    "children",
+    "key_name",
+    "kind",
+    "node_names",
+    "rebuild",
+    "restore_roots",
+    "rewrap",
+    "slot_variables",
+    "values",
+]

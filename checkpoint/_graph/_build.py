@@ -1,0 +1,199 @@
+"""Pytrees -> TF's TrackableObjectGraph and the values to store under its checkpoint keys."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from checkpoint import _keys
+from checkpoint._graph._walk import (
+    ARRAY,
+    CONTAINER,
+    NONE,
+    OPTIMIZER,
+    PARTITIONED,
+    PYTHON,
+    VARIABLE,
+    as_variable,
+    children,
+    has_python,
+    identity,
+    kind,
+    slot_variables,
+)
+from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
+from varstate import PartitionedVariable, Variable, _seam
+
+
+@dataclasses.dataclass
+class Saveable:
+    """One value to store: the object, its graph node and checkpoint key."""
+
+    key: str
+    obj: Any  # Variable, PartitionedVariable (or a list of slot shards), array or Python scalar
+    full_name: str
+    attribute: str = _keys.VARIABLE_VALUE
+
+
+@dataclasses.dataclass
+class Graph:
+    proto: TrackableObjectGraph
+    saveables: list[Saveable]
+    paths: list[str]  # node id -> path ("" for the root)
+
+
+def build(roots: dict[str, Any]) -> Graph:
+    """Walks `roots` breadth-first (TF's order) into a TrackableObjectGraph."""
+    proto = TrackableObjectGraph()
+    proto.nodes.add()  # the root: the Checkpoint itself
+    paths = [""]
+    labels = ["(root)"]  # TF's pretty names, for errors
+    objects: list[Any] = [None]
+    kinds = [CONTAINER]
+    node_of: dict[Any, int] = {}
+    queue = collections.deque([(0, [(name, roots[name]) for name in roots])])
+    while queue:
+        parent, kids = queue.popleft()
+        for name, child in kids:
+            k = kind(child)
+            if k == NONE or (k == CONTAINER and not jax.tree.leaves(child) and not has_python(child)):
+                continue
+            ident = identity(child, k)
+            node_id = node_of.get(ident) if ident is not None else None
+            if node_id is None:
+                node_id = len(proto.nodes)
+                proto.nodes.add()
+                path = f"{paths[parent]}/{_keys.escape(name)}" if parent else _keys.escape(name)
+                paths.append(path)
+                labels.append(f"{labels[parent]}.{name}")
+                objects.append(child)
+                kinds.append(k)
+                if ident is not None:
+                    node_of[ident] = node_id
+                if k in (CONTAINER, OPTIMIZER):
+                    queue.append((node_id, children(child, labels[node_id])))
+            ref = proto.nodes[parent].children.add()
+            ref.node_id, ref.local_name = node_id, name
+    saveables = []
+    for node_id in range(1, len(objects)):
+        k, obj, path = kinds[node_id], objects[node_id], paths[node_id]
+        if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
+            attr = _keys.PY_STATE if k == PYTHON else _keys.VARIABLE_VALUE
+            key = _keys.attribute_key(path, attr)
+            full_name = as_variable(obj).name if k == VARIABLE else obj.name if k == PARTITIONED else path
+            _add_attribute(proto.nodes[node_id], attr, full_name, key)
+            saveables.append(Saveable(key, obj, full_name, attr))
+    # Slots: found through their primary's resource id among all nodes, as TF
+    # asks each optimizer for the slot of every variable in the graph (a slot
+    # whose primary is not saved is skipped).
+    primary_node = {}
+    for node_id, (k, obj) in enumerate(zip(kinds, objects, strict=True)):
+        if k == VARIABLE:
+            primary_node[as_variable(obj).resource_id] = node_id
+        elif k == PARTITIONED:
+            for shard in obj:
+                primary_node[shard.resource_id] = node_id
+    for opt_id in [i for i, k in enumerate(kinds) if k == OPTIMIZER]:
+        grouped: dict[tuple[int, str], list[Variable]] = {}
+        for slot in slot_variables(objects[opt_id]):
+            primary_id, slot_name = _seam.slot_link(slot)
+            primary = primary_node.get(primary_id)
+            if primary is not None:
+                grouped.setdefault((primary, slot_name), []).append(slot)
+        for (primary, slot_name), shards in sorted(grouped.items()):
+            if kinds[primary] == PARTITIONED and len(shards) != len(objects[primary]):
+                raise ValueError(
+                    f"Cannot checkpoint the {slot_name!r} slots of {labels[primary]}: the optimizer {labels[opt_id]} "
+                    f"has them for {len(shards)} of its {len(objects[primary])} shards. One value holds the slot of "
+                    "the whole variable: give the optimizer every shard of it, or none."
+                )
+            existing = node_of.get(("v", shards[0].resource_id)) if len(shards) == 1 else None
+            if existing is None:
+                existing = len(proto.nodes)
+                proto.nodes.add()
+                paths.append(_keys.slot_path(paths[primary], paths[opt_id], slot_name))
+                key = _keys.variable_key(paths[-1])
+                obj = shards[0] if kinds[primary] == VARIABLE else shards
+                full_name = shards[0].name if len(shards) == 1 else shards[0].save_slice_info.full_name
+                _add_attribute(proto.nodes[existing], _keys.VARIABLE_VALUE, full_name, key)
+                saveables.append(Saveable(key, obj, full_name))
+            ref = proto.nodes[opt_id].slot_variables.add()
+            ref.original_variable_node_id, ref.slot_name, ref.slot_variable_node_id = primary, slot_name, existing
+    _mark_values(proto)
+    return Graph(proto, saveables, paths)
+
+
+def _mark_values(proto: TrackableObjectGraph) -> None:
+    """Sets TF's `has_checkpoint_values`: the node, a dependency or one of its slots holds a value."""
+    has = [bool(n.attributes) for n in proto.nodes]
+    changed = True
+    while changed:
+        changed = False
+        for i, node in enumerate(proto.nodes):
+            if not has[i] and (any(has[r.node_id] for r in node.children)
+                               or any(has[r.slot_variable_node_id] for r in node.slot_variables)):
+                has[i] = changed = True
+    for node, value in zip(proto.nodes, has, strict=True):
+        node.has_checkpoint_values.value = value
+
+
+def _add_attribute(node, name: str, full_name: str, key: str) -> None:
+    attr = node.attributes.add()
+    attr.name, attr.full_name, attr.checkpoint_key = name, full_name, key
+
+
+def node_names(proto: TrackableObjectGraph) -> list[str]:
+    """Readable names of a saved graph's nodes, TF style: ``(root).model.kernel``."""
+    names: list[str | None] = [None] * len(proto.nodes)
+    names[0] = "(root)"
+    queue = collections.deque([0])
+    while queue:
+        i = queue.popleft()
+        for ref in proto.nodes[i].children:
+            if 0 <= ref.node_id < len(names) and names[ref.node_id] is None:
+                names[ref.node_id] = f"{names[i]}.{ref.local_name}"
+                queue.append(ref.node_id)
+    for i, node in enumerate(proto.nodes):  # after the walk: a primary may sit deeper than its optimizer
+        for ref in node.slot_variables:
+            j, p = ref.slot_variable_node_id, ref.original_variable_node_id
+            if 0 <= j < len(names) and names[j] is None and 0 <= p < len(names):
+                names[j] = f"{names[p] or f'(node {p})'}'s state {ref.slot_name!r} for {names[i]}"
+    return [n if n is not None else f"(node {i})" for i, n in enumerate(names)]
+
+
+def values(graph: Graph) -> dict[str, Any]:
+    """{checkpoint key: array | Python scalar | [(SaveSliceInfo, array), ...]} for storage."""
+    out: dict[str, Any] = {}
+    for s in graph.saveables:
+        obj = s.obj
+        if isinstance(obj, (PartitionedVariable, list)):
+            shards = list(obj)
+            for v in shards:
+                if v.save_slice_info is None:
+                    raise ValueError(f"Cannot save {s.key!r}: shard {v.name!r} has no SaveSliceInfo.")
+                _initialized(s.key, v.value)
+            out[s.key] = [(v.save_slice_info, v.value) for v in shards]
+        else:
+            var = as_variable(obj)
+            out[s.key] = _initialized(s.key, var.value if var is not None else obj)
+            if var is not None and _seam.saved_dtype(var) != var.dtype:
+                out[s.key] = np.asarray(jax.device_get(out[s.key])).astype(_seam.saved_dtype(var))
+            if isinstance(out[s.key], jax.Array) and jax.dtypes.issubdtype(out[s.key].dtype, jax.dtypes.prng_key):
+                raise TypeError(
+                    f"Cannot save {s.key!r}: a PRNG key array ({out[s.key].dtype}) has no storable dtype. Save "
+                    "jax.random.key_data(key) and rebuild the key with jax.random.wrap_key_data after restoring."
+                )
+    return out
+
+
+def _initialized(key: str, value: Any) -> Any:
+    if isinstance(value, jax.ShapeDtypeStruct):
+        raise ValueError(
+            f"Cannot save {key!r}: the value is uninitialized (shape {value.shape}, {value.dtype}). "
+            "Initialize it (varstate.zero_initializer, assign, or restore) before saving."
+        )
+    return value

@@ -1,0 +1,294 @@
+"""Restore matching: a checkpoint's TrackableObjectGraph against the caller's templates, as TF matches.
+
+Templates are walked like saved roots; a node is matched by its path from
+the root, a slot through its primary's node and slot name. Every value is
+checked (shape, dtype) before any is loaded, then loaded once per key and put
+where the template's value lives (its sharding). `RestoreState` is what every
+status of one restore shares, so deferred restorations add to one account.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from checkpoint import _dtypes, _keys
+from checkpoint._graph import _walk
+from checkpoint._graph._build import node_names
+from checkpoint._graph._walk import ARRAY, CONTAINER, NONE, OPTIMIZER, PARTITIONED, PYTHON, VARIABLE
+from varstate import PartitionedVariable, Variable, _seam
+
+_log = logging.getLogger("checkpoint")
+
+
+@dataclasses.dataclass(eq=False)
+class _Cell:
+    """Placeholder for one value to restore, replaced once all values are loaded."""
+
+    template: Any
+    key: str
+    label: str
+    kind: int
+    info: Any = None  # a SaveSliceInfo: take this slice of the stored full value
+
+
+@dataclasses.dataclass(eq=False)
+class _OptCell:
+    """Placeholder for an optimizer state whose slots are matched after every primary."""
+
+    template: Any
+    non_slots: dict
+    plain: Any  # the plain-array slots, matched like any container
+    node_id: int
+    label: str
+    slots: Any = None
+
+
+class RestoreState:
+    """What every status of one restore shares (TF's _CheckpointRestoreCoordinator)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self.proto = reader.object_graph
+        self.names = node_names(self.proto)
+        self.matched: dict[int, str] = {0: "(root)"}
+        self.restored_keys: set[str] = set()
+        self.unmatched: dict[str, None] = {}  # labels of template objects with no saved value
+        self.node_rids: dict[int, list[int]] = {}
+        self.pending_slots: dict[tuple[int, int, str], str] = {}
+        self.python_objects = 0
+        self.expect_partial = False
+
+    def __del__(self) -> None:
+        try:
+            if not self.expect_partial and self._unresolved():
+                _log.warning(
+                    "Some values in the checkpoint were not restored: %s. Call expect_partial() on the "
+                    "status if this is intended.", ", ".join(self._unresolved()[:10]))
+        except Exception:  # never raise from a finalizer
+            pass
+
+    def _unresolved(self) -> list[str]:
+        return [self.names[i] for i, n in enumerate(self.proto.nodes) if n.attributes and i not in self.matched]
+
+
+def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
+    """Matches `roots` against the checkpoint's graph and loads their values; returns the restored roots."""
+    top = {r.local_name: r.node_id for r in st.proto.nodes[0].children}
+    cells: list[_Cell] = []
+    opts: list[_OptCell] = []
+    template_rids: set[int] = set()
+    tree = {
+        name: _match(st, obj, top.get(name), f"(root).{name}", cells, opts, template_rids)
+        for name, obj in roots.items()
+    }
+    for opt in opts:
+        _match_slots(st, opt, cells, template_rids)
+    loaded = _load(st, cells)
+
+    def resolve(x):
+        if isinstance(x, _OptCell):
+            slots = jax.tree.map(resolve, x.slots, is_leaf=_is_cell)
+            non_slots = jax.tree.map(resolve, x.non_slots, is_leaf=_is_cell)
+            return dataclasses.replace(x.template, slots=slots, non_slots=non_slots)
+        return _finish(x, loaded[x.key]) if isinstance(x, _Cell) else x
+
+    return {name: jax.tree.map(resolve, t, is_leaf=_is_cell) for name, t in tree.items()}
+
+
+def _match(st: RestoreState, obj, node_id, label, cells, opts, rids) -> Any:
+    k = _walk.kind(obj)
+    if k in (VARIABLE, PARTITIONED):
+        rids.update(v.resource_id for v in _shards(obj))
+    if k == NONE:
+        return obj
+    if node_id is None or not 0 <= node_id < len(st.proto.nodes):
+        _unmatched(st, obj, k, label)
+        return obj
+    node = st.proto.nodes[node_id]
+    if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
+        if not node.attributes:
+            _unmatched(st, obj, k, label)
+            return obj
+        st.matched[node_id] = label
+        if k in (VARIABLE, PARTITIONED):
+            st.node_rids[node_id] = [v.resource_id for v in _shards(obj)]
+        cell = _Cell(obj, node.attributes[0].checkpoint_key, label, k)
+        cells.append(cell)
+        return cell
+    if not node.attributes:  # a saved value is not consumed by a container standing in its place
+        st.matched[node_id] = label
+    ids = {r.local_name: r.node_id for r in node.children}
+
+    def child(name, c):
+        return _match(st, c, ids.get(name), f"{label}.{name}", cells, opts, rids)
+
+    if k == OPTIMIZER:
+        non_slots = {name: child(name, v) for name, v in obj.non_slots.items()}
+        opt = _OptCell(obj, non_slots, child(_walk.PLAIN_SLOTS, _walk.plain_slots(obj)), node_id, label)
+        opts.append(opt)
+        return opt
+    return _walk.rebuild(obj, child, label)
+
+def _unmatched(st: RestoreState, obj, k, label) -> None:
+    if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
+        st.unmatched[label] = None
+    elif k in (CONTAINER, OPTIMIZER):
+        for name, c in _walk.children(obj, label):
+            _unmatched(st, c, _walk.kind(c), f"{label}.{name}")
+        if k == OPTIMIZER:
+            for slot in _walk.slot_variables(obj):
+                st.unmatched[f"{label}'s slot {slot.name!r}"] = None
+
+def _match_slots(st: RestoreState, opt: _OptCell, cells, template_rids) -> None:
+    """A slot is matched through its primary's node and slot name (not the optimizer's layout)."""
+    templates: dict[tuple[int, str], Variable] = {}
+    for slot in _walk.slot_variables(opt.template):
+        templates[(slot.handle.slot_of, slot.handle.slot_name)] = slot
+    rid_node = {rid: n for n, rs in st.node_rids.items() for rid in rs}
+    by_rid: dict[int, _Cell] = {}
+    for ref in st.proto.nodes[opt.node_id].slot_variables:
+        pending = (opt.node_id, ref.original_variable_node_id, ref.slot_name)
+        rids = st.node_rids.get(ref.original_variable_node_id)
+        found = [templates[(r, ref.slot_name)] for r in rids or () if (r, ref.slot_name) in templates]
+        slot_node = ref.slot_variable_node_id
+        if not found or not 0 <= slot_node < len(st.proto.nodes) or not st.proto.nodes[slot_node].attributes:
+            st.pending_slots[pending] = f"{st.names[slot_node] if 0 <= slot_node < len(st.names) else slot_node}"
+            continue
+        st.pending_slots.pop(pending, None)
+        key = st.proto.nodes[slot_node].attributes[0].checkpoint_key
+        label = f"{opt.label}'s slot {ref.slot_name!r} for {st.matched[ref.original_variable_node_id]}"
+        st.matched[slot_node] = label
+        for slot in found:
+            info = slot.save_slice_info if len(rids) > 1 else None
+            cell = _Cell(slot, key, label, VARIABLE, info)
+            cells.append(cell)
+            by_rid[slot.resource_id] = cell
+    for (primary, _), slot in templates.items():
+        if slot.resource_id not in by_rid and (primary in rid_node or primary in template_rids):
+            st.unmatched[f"{opt.label}'s slot {slot.name!r}"] = None
+    opt.slots = _walk.merge_slots(opt.template.slots, lambda v: by_rid.get(v.resource_id, v), opt.plain)
+
+def _load(st: RestoreState, cells: list[_Cell]) -> dict[str, Any]:
+    reader = st.reader
+    requests: dict[str, Any] = {}
+    for cell in cells:
+        target = None
+        if _check(reader, cell):
+            pass  # narrowed to JAX's 32-bit type on the host, where its range is checked
+        elif cell.kind == VARIABLE and cell.info is None:
+            target = _target_sharding(_walk.as_variable(cell.template).value)
+        elif cell.kind == ARRAY and not isinstance(cell.template, (np.ndarray, np.generic)):
+            target = _target_sharding(cell.template)
+        if cell.key not in requests:
+            requests[cell.key] = target
+        elif requests[cell.key] != target:
+            requests[cell.key] = None  # wanted on two placements: load on the host once
+    if hasattr(reader, "get_many"):
+        loaded = reader.get_many(requests)
+    else:
+        loaded = {}
+        for key, sharding in requests.items():
+            if sharding is not None and hasattr(reader, "get_into"):
+                loaded[key] = reader.get_into(key, sharding)
+            else:
+                loaded[key] = reader.get(key)
+    st.restored_keys.update(requests)
+    return loaded
+
+
+
+def _is_cell(x: Any) -> bool:
+    return isinstance(x, (_Cell, _OptCell))
+
+
+def _shards(obj: Any) -> list[Variable]:
+    return list(obj) if isinstance(obj, PartitionedVariable) else [_walk.as_variable(obj)]
+
+
+def _target_sharding(value: Any) -> Any:
+    sharding = getattr(value, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def _expected(cell: _Cell) -> tuple[tuple[int, ...], np.dtype] | None:
+    t = cell.template
+    if cell.kind == PYTHON:
+        return None
+    if cell.kind == PARTITIONED:
+        return tuple(t.shape), np.dtype(t.dtype)
+    v = _walk.as_variable(t) if cell.kind == VARIABLE else t
+    if cell.info is not None:
+        return tuple(cell.info.full_shape), np.dtype(v.dtype)
+    return tuple(v.shape), np.dtype(v.dtype)
+
+
+def _check(reader: Any, cell: _Cell) -> bool:
+    """Checks shape and dtype before anything is loaded; True if a 64-bit value goes into JAX's 32-bit type."""
+    want = _expected(cell)
+    if want is None:
+        return False
+    shape, dtype = tuple(reader.shape(cell.key)), np.dtype(reader.dtype(cell.key))
+    if shape != want[0]:
+        raise ValueError(
+            f"Cannot restore {cell.label}: the checkpoint value {cell.key!r} has shape {shape}, the object "
+            f"has shape {want[0]}. Build the object with the saved shape or leave it out of the restore."
+        )
+    # With JAX's 64-bit types off, a 64-bit value (TF's int64 global_step) fits the type JAX made, as in
+    # restore_by_name; its range is checked when it is converted.
+    if not _dtypes.fits(dtype, want[1]):
+        raise TypeError(
+            f"Cannot restore {cell.label}: the checkpoint value {cell.key!r} has dtype {dtype}, the object "
+            f"has dtype {want[1]}. Build the object with dtype {dtype} or cast after restoring."
+        )
+    return dtype != want[1]
+
+
+def _place(value: Any, like: Any) -> jax.Array:
+    sharding = _target_sharding(like)
+    if isinstance(value, jax.Array) and (sharding is None or value.sharding == sharding):
+        return value
+    return jax.device_put(np.asarray(value) if not isinstance(value, jax.Array) else value, sharding)
+
+
+def _finish(cell: _Cell, value: Any) -> Any:
+    t = cell.template
+    want = _expected(cell)
+    if want is not None and np.dtype(value.dtype) != want[1]:  # allowed by _check: JAX's 32-bit type
+        value = _dtypes.narrow(np.asarray(value), want[1], cell.label, cell.key)
+    if cell.kind == PYTHON:
+        value = np.asarray(value)
+        item = value.item() if value.shape == () else value
+        if isinstance(item, bytes):
+            item = item.decode()
+        # The saved type, or an int into a float: any other conversion would change the value silently.
+        saved_as = _dtypes.python_type(t)
+        if type(item) is not saved_as and not (saved_as is float and type(item) is int):
+            found = f"an array of shape {value.shape}" if value.shape else f"a Python {type(item).__name__}"
+            raise TypeError(
+                f"Cannot restore {cell.label}: the checkpoint value {cell.key!r} is {found}, the object is a Python "
+                f"{type(t).__name__}. Give a template of the saved type, or leave it out of the restore."
+            )
+        return type(t)(item)
+    if cell.kind == ARRAY:
+        if isinstance(t, (np.ndarray, np.generic)):
+            host = np.asarray(jax.device_get(value))
+            return host.reshape(()).astype(t.dtype)[()] if isinstance(t, np.generic) else host.copy()
+        return _place(value, t)
+    if cell.kind == PARTITIONED:
+        full = np.asarray(jax.device_get(value))
+        return _walk.rebuild(t, lambda _, shard: _slice_into(shard, full))
+    var = _walk.as_variable(t)
+    if cell.info is not None:
+        return _slice_into(var, np.asarray(jax.device_get(value)))
+    return _walk.rewrap(t, _seam.with_value(var, _place(value, var.value)))
+
+
+def _slice_into(shard: Variable, full: np.ndarray) -> Variable:
+    info = shard.save_slice_info
+    index = _keys.slice_index(info.var_offset, info.var_shape)
+    return _seam.with_value(shard, _place(np.ascontiguousarray(full[index]), shard.value))

@@ -1,0 +1,153 @@
+"""Walking pytrees the way TF walks trackables, shared by save and restore.
+
+`children(obj)` names an object's direct dependencies the way TF names them
+(dict key, field name, list index); `kind(obj)` says whether it is a
+container, a variable, a plain array, a Python scalar or an optimizer state;
+`rebuild` makes a new object of the same structure from new children.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from checkpoint._dtypes import PYTHON_TYPES
+from varstate import PartitionedVariable, Variable
+from varstate.optimizers import OptimizerState
+
+PLAIN_SLOTS = "slots"  # the optimizer's child holding the slots of plain-array params
+
+CONTAINER, VARIABLE, PARTITIONED, ARRAY, PYTHON, OPTIMIZER, NONE = range(7)
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_PYTHON = tuple(PYTHON_TYPES.values())
+
+
+def as_variable(obj: Any) -> Variable | None:
+    """The Variable behind `obj`: itself, or a wrapper's (`__varstate_variable__`)."""
+    if isinstance(obj, Variable):
+        return obj
+    get = getattr(type(obj), "__varstate_variable__", None)
+    return get(obj) if get is not None else None
+
+
+def kind(obj: Any) -> int:
+    if obj is None:
+        return NONE
+    if isinstance(obj, OptimizerState):
+        return OPTIMIZER
+    if as_variable(obj) is not None:
+        return VARIABLE
+    if isinstance(obj, PartitionedVariable):
+        return PARTITIONED
+    if isinstance(obj, _ARRAYS):
+        return ARRAY
+    if isinstance(obj, _PYTHON):
+        return PYTHON
+    return CONTAINER
+
+
+def key_name(k: Any) -> str:
+    if isinstance(k, jax.tree_util.DictKey):
+        return str(k.key)
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
+    """An object's direct dependencies as (local name, child), in pytree order."""
+    if isinstance(obj, OptimizerState):
+        # Slot Variables hang off their primaries (slot_variables); non-slots are children.
+        kids = list(obj.non_slots.items())
+        plain = plain_slots(obj)
+        if jax.tree.leaves(plain):
+            kids.append((PLAIN_SLOTS, plain))
+        return kids
+    pairs, _ = _flatten_one(obj, where)
+    return [(key_name(path[0]), child) for path, child in pairs]
+
+
+def _flatten_one(obj: Any, where: str) -> tuple[list, Any]:
+    """One level of a container's pytree; a ValueError naming `where` if `obj` is a leaf of no supported kind."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    if pairs and not pairs[0][0]:
+        raise ValueError(
+            f"Cannot checkpoint {where}: {type(obj).__name__} {obj!r:.60} is not a Variable, PartitionedVariable, "
+            "OptimizerState, array, Python bool/int/float/str or a pytree of them. Leave it out of the roots, or "
+            "register its type as a pytree (e.g. jax.tree_util.register_dataclass)."
+        )
+    return pairs, treedef
+
+
+def _slot_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (Variable, PartitionedVariable))
+
+
+def plain_slots(state: OptimizerState) -> Any:
+    """The slots of plain-array params (no resource to link): `slots` with every slot Variable as None.
+
+    They are saved as the optimizer's child ``slots`` (not in TF, which has no
+    plain-array params); a state with only slot Variables has none.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(state.slots, is_leaf=_slot_leaf)
+    return treedef.unflatten([None if _slot_leaf(x) else x for x in leaves])
+
+
+def merge_slots(template: Any, variable_slots, plain: Any) -> Any:
+    """`template` (an OptimizerState's slots) with slot Variables from `variable_slots(v)`, the rest from `plain`."""
+    leaves, treedef = jax.tree_util.tree_flatten(template, is_leaf=_slot_leaf)
+    plain_leaves = jax.tree_util.tree_flatten(plain, is_leaf=lambda x: x is None)[0]
+    out = []
+    for leaf, p in zip(leaves, plain_leaves, strict=True):
+        if isinstance(leaf, Variable):
+            out.append(variable_slots(leaf))
+        elif isinstance(leaf, PartitionedVariable):
+            out.append(jax.tree.map(variable_slots, leaf, is_leaf=lambda x: isinstance(x, Variable)))
+        else:
+            out.append(leaf if leaf is None else p)
+    return treedef.unflatten(out)
+
+
+def rebuild(obj: Any, fn, where: str = "an object") -> Any:
+    """`obj` with each direct child replaced by `fn(local_name, child)`."""
+    pairs, treedef = _flatten_one(obj, where)
+    return treedef.unflatten([fn(key_name(path[0]), child) for path, child in pairs])
+
+
+def rewrap(obj: Any, new_variable: Variable) -> Any:
+    """Puts `new_variable` back into `obj` (a Variable, or a wrapper of one)."""
+    if isinstance(obj, Variable):
+        return new_variable
+    leaves, treedef = jax.tree_util.tree_flatten(obj, is_leaf=lambda x: isinstance(x, Variable))
+    return treedef.unflatten([new_variable if isinstance(x, Variable) else x for x in leaves])
+
+
+def slot_variables(state: OptimizerState) -> list[Variable]:
+    """Every slot Variable of an optimizer state, in pytree order."""
+    leaves = jax.tree.leaves(state.slots, is_leaf=lambda x: isinstance(x, (Variable, PartitionedVariable)))
+    out = []
+    for leaf in leaves:
+        out.extend(leaf if isinstance(leaf, PartitionedVariable) else [leaf] if isinstance(leaf, Variable) else [])
+    return out
+
+
+def identity(obj: Any, k: int) -> Any:
+    """What makes two occurrences the same node (TF stores a variable once)."""
+    if k == VARIABLE:
+        return ("v", as_variable(obj).resource_id)
+    if k == PARTITIONED:
+        return ("p", tuple(v.resource_id for v in obj))
+    if k in (CONTAINER, OPTIMIZER):
+        return ("o", id(obj))
+    return None  # arrays and Python values have no identity to share
+
+
+def has_python(obj: Any) -> bool:
+    """True if `obj` holds a Python scalar somewhere (so an otherwise empty container is still saved)."""
+    return any(kind(c) == PYTHON or (kind(c) == CONTAINER and has_python(c)) for _, c in children(obj))

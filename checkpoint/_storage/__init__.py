@@ -1,0 +1,103 @@
+"""Storage: checkpoint values <-> bytes on disk. Knows nothing of object graphs or Variables.
+
+Every format is read through one `Reader` protocol, and `open_reader` is the
+one dispatch from a path to a reader: a TF TensorBundle prefix (object-based
+or name-based), an orbax-format directory, or a directory whose
+``checkpoint`` state file names one of those. Reading a TF checkpoint
+imports neither jax nor orbax; the orbax backend is imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import numpy as np
+
+from checkpoint._storage._bundle import BundleReader, data_filename
+from checkpoint._storage._bundle_writer import Sliced, write_bundle
+from checkpoint._storage._files import ORBAX_METADATA, inside
+from checkpoint._storage._state_file import (
+    STATE_FILE,
+    latest_in,
+    read_checkpoint_state,
+    record_latest,
+    write_checkpoint_state,
+)
+
+__all__ = [
+    "ORBAX_METADATA",
+    "STATE_FILE",
+    "BundleReader",
+    "Reader",
+    "Sliced",
+    "data_filename",
+    "inside",
+    "is_orbax",
+    "latest_in",
+    "open_reader",
+    "read_checkpoint_state",
+    "record_latest",
+    "write_bundle",
+    "write_checkpoint_state",
+]
+
+
+class Reader(Protocol):
+    """What restore, the CLI and `read_checkpoint` need of any stored checkpoint."""
+
+    def keys(self) -> list[str]: ...
+    def get(self, key: str) -> np.ndarray: ...
+    def shape(self, key: str) -> tuple[int, ...]: ...
+    def dtype(self, key: str) -> np.dtype: ...
+    def __contains__(self, key: str) -> bool: ...
+
+    @property
+    def object_graph(self) -> Any: ...  # a TrackableObjectGraph, or None for a name-based checkpoint
+
+
+def is_orbax(path: str) -> bool:
+    """True for an orbax-format checkpoint directory (checked without importing orbax)."""
+    return os.path.isfile(os.path.join(path, ORBAX_METADATA))
+
+
+def open_reader(path: str | os.PathLike) -> Reader:
+    """A reader for the checkpoint at `path` (see the module docstring); FileNotFoundError says what was expected."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"Checkpoint path must be a string, got {type(path).__name__} {path!r}.")
+    target = _resolve(os.fspath(path))
+    if os.path.isdir(target):
+        from checkpoint._storage._orbax import OrbaxReader  # imports orbax and jax: only for orbax checkpoints
+
+        return OrbaxReader(target)
+    return BundleReader(target)
+
+
+def _resolve(path: str, follow_state: bool = True) -> str:
+    if path.endswith(".index") and os.path.isfile(path):
+        path = path[: -len(".index")]
+    if os.path.isfile(path + ".index"):
+        return path
+    if os.path.isdir(path):
+        if is_orbax(path):
+            return path
+        if follow_state and os.path.isfile(os.path.join(path, STATE_FILE)):
+            return _resolve(_latest(path), follow_state=False)
+        raise FileNotFoundError(
+            f"No checkpoint in directory {path}: it holds no {STATE_FILE!r} state file and is not an orbax "
+            "checkpoint. Pass a checkpoint prefix (the path before '.index') instead."
+        )
+    if follow_state and os.path.basename(path) == STATE_FILE and os.path.isfile(path):
+        return _resolve(_latest(os.path.dirname(path) or "."), follow_state=False)
+    raise FileNotFoundError(
+        f"No checkpoint at {path}: expected a prefix with a {os.path.basename(path)}.index file, a directory "
+        f"with a {STATE_FILE!r} state file, or an orbax checkpoint directory."
+    )
+
+
+def _latest(directory: str) -> str:
+    latest = latest_in(directory)
+    if latest is None:
+        raise FileNotFoundError(f"{os.path.join(directory, STATE_FILE)} names no checkpoint (model_checkpoint_path "
+                                "is empty).")
+    return latest

@@ -1,0 +1,336 @@
+"""TensorFlow's TensorBundle: `P.index` (a table of BundleEntryProto) + `P.data-0000i-of-0000N` (raw bytes).
+
+Numeric values are raw C-order bytes; string tensors are ``varint64`` lengths,
+a masked crc32c of the lengths, then the bytes. Every value carries a masked
+crc32c. A partitioned variable saved by TF1's Saver has a full entry listing
+its slices, and one entry per slice under an OrderedCode key.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import struct
+import weakref
+from functools import cached_property
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from checkpoint import _dtypes, _keys
+from checkpoint._errors import CheckpointFormatError
+from checkpoint._storage._crc import crc32c, mask
+from checkpoint._storage._files import pread, pread_into
+from checkpoint._storage._table import read_table, read_varint
+from checkpoint.protos import tensor_bundle_pb2, types_pb2
+
+__all__ = ["BundleReader", "data_filename", "slice_key"]
+
+GRAPH_KEY = _keys.OBJECT_GRAPH_KEY
+_STRING = _dtypes.STRING_ENUM
+# Bundle format versions (TF's kTensorBundleVersion and kTensorBundleMinConsumer).
+VERSION = 1
+MIN_PRODUCER = 0
+_BAD_CRC = "checksum mismatch (the data file is corrupt); copy it again from its source"
+
+
+def data_filename(prefix: str, shard: int, num_shards: int) -> str:
+    """The path of one data shard of the bundle at `prefix`."""
+    return f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
+
+
+def _dtype_name(enum: int) -> str:
+    try:
+        return f"{types_pb2.DataType.Name(enum)} ({enum})"
+    except ValueError:
+        return f"an unknown dtype ({enum})"
+
+
+def _num_increasing(value: int) -> bytes:
+    # OrderedCode's unsigned form: a length byte, then big-endian bytes.
+    n = (value.bit_length() + 7) // 8
+    return bytes([n]) + value.to_bytes(n, "big")
+
+
+def _signed_num_increasing(value: int) -> bytes:
+    # OrderedCode's signed form: n bytes of two's complement whose first n bits
+    # (inverted for negatives) say n, so that encodings sort as the numbers do.
+    x = ~value if value < 0 else value
+    n = 1
+    while x >= 1 << (7 * n - 1):
+        n += 1
+    bits = (value & ((1 << (8 * n)) - 1)) ^ (((1 << n) - 1) << (7 * n))
+    return bits.to_bytes(n, "big")
+
+
+def slice_key(name: bytes, extents: list[tuple[int, int]]) -> bytes:
+    """The table key of one saved slice: `extents` is (start, length) per dimension, length -1 for all."""
+    escaped = re.sub(rb"[\x00\xff]", lambda m: m[0] + (b"\xff" if m[0] == b"\x00" else b"\x00"), name)
+    key = _num_increasing(0) + escaped + b"\x00\x01" + _num_increasing(len(extents))
+    for start, length in extents:
+        key += _signed_num_increasing(start) + _signed_num_increasing(length)
+    return key
+
+
+def _close_all(fds: dict) -> None:
+    for fd, _ in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+class BundleReader:
+    """Reads the tensors of the TensorBundle at `prefix` (`prefix.index` + data shards).
+
+    Values are read on demand, one positioned read per tensor, and every
+    checksum is verified. Keys are str; slice keys of partitioned variables
+    are hidden (their full names are listed and reassembled by `get`).
+    """
+
+    def __init__(self, prefix: str | os.PathLike):
+        self.prefix = os.fspath(prefix)
+        self.index_path = self.prefix + ".index"
+        with open(self.index_path, "rb") as f:
+            items = read_table(f.read(), self.index_path)
+        if not items or items[0][0] != b"":
+            raise CheckpointFormatError(f"{self.index_path}: no bundle header (the entry under the empty key)")
+        header = self._parse(tensor_bundle_pb2.BundleHeaderProto, items[0][1], "the header")
+        v = header.version
+        if v.producer < MIN_PRODUCER or v.min_consumer > VERSION or VERSION in v.bad_consumers:
+            raise CheckpointFormatError(
+                f"{self.index_path}: bundle version {v.producer} (min consumer {v.min_consumer}, bad consumers "
+                f"{list(v.bad_consumers)}) cannot be read by this reader (version {VERSION})"
+            )
+        if header.num_shards < 1:
+            raise CheckpointFormatError(f"{self.index_path}: header claims {header.num_shards} data shards")
+        self.num_shards = header.num_shards
+        if header.endianness not in (header.LITTLE, header.BIG):
+            raise CheckpointFormatError(f"{self.index_path}: header has an unknown endianness {header.endianness}")
+        self._swap = header.endianness == header.BIG
+        self._entries: dict[str, tensor_bundle_pb2.BundleEntryProto] = {}
+        self._slices: dict[bytes, bytes] = {}
+        for key, value in items[1:]:
+            if key[0] == 0:  # OrderedCode keys of saved slices start with a 0 byte
+                self._slices[key] = value
+            else:
+                name = key.decode("utf-8", "surrogateescape")
+                self._entries[name] = self._parse(tensor_bundle_pb2.BundleEntryProto, value, f"key {name!r}")
+        self._files: dict[int, tuple[int, int]] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._files)
+
+    def _parse(self, cls, value: bytes, what: str):
+        try:
+            return cls.FromString(value)
+        except DecodeError:
+            raise CheckpointFormatError(f"{self.index_path}: {what} is not a valid {cls.__name__}") from None
+
+    def close(self) -> None:
+        """Closes the data files (reopened if another value is read)."""
+        _close_all(self._files)
+
+    def __enter__(self) -> BundleReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"BundleReader({self.prefix!r}, {len(self.keys())} tensors)"
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries and key != GRAPH_KEY
+
+    def keys(self) -> list[str]:
+        """Tensor names in sorted order (without the object graph's key)."""
+        return [k for k in self._entries if k != GRAPH_KEY]
+
+    def entry(self, key: str) -> tensor_bundle_pb2.BundleEntryProto:
+        """The BundleEntryProto stored for `key`."""
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(
+                f"Key {key!r} not found in checkpoint {self.prefix} ({len(self.keys())} keys; list them with "
+                "`python -m checkpoint inspect`)."
+            ) from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The full shape of tensor `key`."""
+        return self._shape(key, self.entry(key))
+
+    def _shape(self, key: str, entry) -> tuple[int, ...]:
+        shape = tuple(d.size for d in entry.shape.dim)
+        too_big = math.prod(d or 1 for d in shape) > (1 << 59)  # numpy refuses even with a zero dimension
+        if entry.shape.unknown_rank or any(d < 0 for d in shape) or len(shape) > 64 or too_big:
+            raise CheckpointFormatError(f"{self.index_path}: key {key!r} has an invalid shape {shape}")
+        return shape
+
+    def dtype(self, key: str) -> np.dtype:
+        """The numpy dtype of tensor `key` (`object` for strings, whose values are bytes)."""
+        return self._dtype(key, self.entry(key).dtype)
+
+    def _dtype(self, key: str, enum: int) -> np.dtype:
+        if enum == _STRING:
+            return np.dtype(object)
+        try:
+            return _dtypes.BY_ENUM[enum]
+        except KeyError:
+            raise CheckpointFormatError(
+                f"{self.index_path}: key {key!r} has {_dtype_name(enum)}, which this reader does not support "
+                f"(supported: {sorted(_dtype_name(e) for e in (*_dtypes.BY_ENUM, _STRING))})"
+            ) from None
+
+    def get_slices(self, key: str) -> list[tuple[slice, ...]]:
+        """Where each saved slice of a partitioned tensor sits (`[]` if saved whole).
+
+        `reader.get(key)[s]` is the value of slice `s`.
+        """
+        entry = self.entry(key)
+        shape = self._shape(key, entry)
+        return [self._extents(key, s, shape)[1] for s in entry.slices]
+
+    def _extents(self, key: str, proto, shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], tuple[slice, ...]]:
+        if len(proto.extent) != len(shape):
+            raise CheckpointFormatError(
+                f"{self.index_path}: key {key!r} has a slice of rank {len(proto.extent)} for shape {shape}"
+            )
+        extents, index = [], []
+        for e, dim in zip(proto.extent, shape, strict=True):
+            length = e.length if e.HasField("length") else -1
+            stop = e.start + (dim if length == -1 else length)
+            if e.start < 0 or length < -1 or stop > dim or (length == -1 and e.start):
+                raise CheckpointFormatError(
+                    f"{self.index_path}: key {key!r} has a slice (start {e.start}, length {length}) outside "
+                    f"its shape {shape}"
+                )
+            extents.append((e.start, length))
+            index.append(slice(e.start, stop))
+        return extents, tuple(index)
+
+    def get(self, key: str) -> np.ndarray:
+        """The value of tensor `key` (a new array; strings as an object array of bytes)."""
+        entry = self.entry(key)
+        shape = self._shape(key, entry)
+        dtype = self._dtype(key, entry.dtype)
+        if not entry.slices:
+            return self._read(key, entry, self._locate(key, entry, shape, dtype), shape, dtype)
+        parts = []
+        for proto in entry.slices:
+            extents, index = self._extents(key, proto, shape)
+            skey = slice_key(key.encode("utf-8", "surrogateescape"), extents)
+            if skey not in self._slices:
+                raise CheckpointFormatError(
+                    f"{self.index_path}: the entry of slice {[(i.start, i.stop) for i in index]} of key {key!r} "
+                    "is missing"
+                )
+            sentry = self._parse(tensor_bundle_pb2.BundleEntryProto, self._slices[skey], f"a slice of {key!r}")
+            if sentry.dtype != entry.dtype:
+                raise CheckpointFormatError(
+                    f"{self.index_path}: a slice of key {key!r} has {_dtype_name(sentry.dtype)}, the full "
+                    f"tensor {_dtype_name(entry.dtype)}"
+                )
+            part_shape = tuple(i.stop - i.start for i in index)
+            parts.append((index, sentry, part_shape, self._locate(key, sentry, part_shape, dtype)))
+        if not _keys.covers_exactly(shape, [[(i.start, i.stop - i.start) for i in p[0]] for p in parts]):
+            raise CheckpointFormatError(
+                f"{self.index_path}: the saved slices of key {key!r} overlap or do not cover its shape {shape}"
+            )
+        stored = sum(p[1].size for p in parts)
+        available = sum(self._files[shard][1] for shard in {p[1].shard_id for p in parts})
+        if stored > available:  # slices sharing bytes would multiply a small file into a huge tensor
+            raise CheckpointFormatError(
+                f"{self.index_path}: the slices of key {key!r} claim {stored} bytes, but their data files hold "
+                f"{available}"
+            )
+        out = np.empty(shape, dtype)  # only now: the slices' stored bytes account for every element
+        for index, sentry, part_shape, where in parts:
+            out[index] = self._read(key, sentry, where, part_shape, dtype)
+        return out
+
+    def _locate(self, key: str, entry, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, str]:
+        """Checks that `entry`'s bytes lie inside its shard and fit `shape`; returns (fd, error prefix)."""
+        shard = entry.shard_id
+        path = data_filename(self.prefix, shard, self.num_shards)
+        if shard not in self._files:
+            if not 0 <= shard < self.num_shards:
+                raise CheckpointFormatError(
+                    f"{self.index_path}: key {key!r} is in shard {shard}, but the bundle has {self.num_shards}"
+                )
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except FileNotFoundError:
+                raise CheckpointFormatError(
+                    f"{path}: data shard missing (needed for key {key!r} of {self.index_path}); copy every "
+                    f"{os.path.basename(self.prefix)}.data-* file with the .index"
+                ) from None
+            if self._files.setdefault(shard, (fd, os.fstat(fd).st_size))[0] != fd:
+                os.close(fd)  # another thread opened it first
+        fd, file_size = self._files[shard]
+        where = f"{path}: key {key!r}"
+        if entry.offset < 0 or entry.size < 0 or entry.offset + entry.size > file_size:
+            raise CheckpointFormatError(
+                f"{where}: value at offset {entry.offset} with {entry.size} bytes runs past the end of the "
+                f"file ({file_size} bytes): the file is truncated or the index is corrupt"
+            )
+        expected = math.prod(shape) * dtype.itemsize
+        if dtype.kind != "O" and entry.size != expected:
+            raise CheckpointFormatError(
+                f"{where}: stored size {entry.size} bytes, expected {expected} for shape {shape} of {dtype}"
+            )
+        return fd, where
+
+    def _read(self, key: str, entry, located: tuple[int, str], shape: tuple[int, ...], dtype: np.dtype):
+        fd, where = located
+        if dtype.kind == "O":
+            return self._strings(where, pread(fd, entry.size, entry.offset, where), shape, entry.crc32c)
+        out = np.empty(shape, dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        pread_into(fd, flat, entry.offset, where)
+        if mask(crc32c(flat)) != entry.crc32c:
+            raise CheckpointFormatError(f"{where}: {_BAD_CRC}")
+        if self._swap and dtype.itemsize > 1:
+            unit = dtype.itemsize // (2 if dtype.kind == "c" else 1)
+            flat.view(f"u{unit}").byteswap(inplace=True)
+        return out
+
+    def _strings(self, where: str, raw: bytes, shape: tuple[int, ...], crc: int) -> np.ndarray:
+        count = math.prod(shape)
+        if count > len(raw):  # each element needs at least one length byte
+            raise CheckpointFormatError(f"{where}: {len(raw)} bytes cannot hold {count} strings")
+        lengths, pos = [], 0
+        try:
+            for _ in range(count):
+                n, pos = read_varint(raw, pos, len(raw), 70, "string length")
+                if n > len(raw):  # a length "of terabytes" in a few bytes
+                    raise ValueError
+                lengths.append(n)
+        except ValueError:
+            raise CheckpointFormatError(f"{where}: bad string length") from None
+        order = ">" if self._swap else "<"
+        packed = b"".join(struct.pack(f"{order}I" if n <= 0xFFFFFFFF else f"{order}Q", n) for n in lengths)
+        if pos + 4 > len(raw) or struct.unpack_from("<I", raw, pos)[0] != mask(crc32c(packed)):
+            raise CheckpointFormatError(f"{where}: {_BAD_CRC.replace('mismatch', 'mismatch in the string lengths')}")
+        if pos + 4 + sum(lengths) != len(raw):
+            raise CheckpointFormatError(
+                f"{where}: string lengths add up to {sum(lengths)} bytes, but {len(raw) - pos - 4} are stored"
+            )
+        if mask(crc32c(raw[pos:], crc32c(packed))) != crc:
+            raise CheckpointFormatError(f"{where}: {_BAD_CRC}")
+        pos += 4
+        out = np.empty(count, object)
+        for i, n in enumerate(lengths):
+            out[i] = raw[pos : pos + n]
+            pos += n
+        return out.reshape(shape)
+
+    @cached_property
+    def object_graph(self):
+        """The parsed TrackableObjectGraph of an object-based checkpoint; None for a name-based one."""
+        if GRAPH_KEY not in self._entries:
+            return None
+        from checkpoint.protos import trackable_object_graph_pb2
+
+        value = self.get(GRAPH_KEY)
+        if value.shape != () or not isinstance(value.item(), bytes):
+            raise CheckpointFormatError(f"{self.index_path}: {GRAPH_KEY} is not a scalar string")
+        return self._parse(trackable_object_graph_pb2.TrackableObjectGraph, value.item(), f"key {GRAPH_KEY!r}")

@@ -1,0 +1,160 @@
+"""`write_bundle`: values -> a TensorBundle (`.index` + one data shard) that TensorFlow reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import struct
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from checkpoint import _dtypes, _keys
+from checkpoint._storage._bundle import VERSION, data_filename, slice_key
+from checkpoint._storage._crc import crc32c, mask
+from checkpoint._storage._files import sync_directory, sync_file
+from checkpoint._storage._table import write_table
+from checkpoint.protos import tensor_bundle_pb2, tensor_shape_pb2
+
+__all__ = ["Sliced", "write_bundle"]
+
+_OVERLAP_BYTES = 1 << 20  # a value this large has its checksum computed beside its write
+
+
+@dataclasses.dataclass(frozen=True)
+class Sliced:
+    """A tensor stored as slices (TF1 Saver's partitioned variables): its full shape and (offset, part) pairs."""
+
+    full_shape: tuple[int, ...]
+    parts: list[tuple[tuple[int, ...], np.ndarray]]
+
+
+def _records(tensors: Mapping[str, Any]) -> list[tuple[bytes, str, Any, Any]]:
+    """(table key, key for messages, value to store or None, full entry of a sliced tensor or None), sorted."""
+    records = []
+    for key, value in tensors.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"write_bundle: keys must be non-empty str, got {key!r}.")
+        name = key.encode("utf-8", "surrogateescape")
+        if name[0] == 0:
+            raise ValueError(f"write_bundle: key {key!r} starts with a NUL byte, reserved for slice keys.")
+        if not isinstance(value, Sliced):
+            records.append((name, key, value, None))
+            continue
+        full = tensor_bundle_pb2.BundleEntryProto()
+        full.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in value.full_shape)
+        boxes = []
+        for offset, part in value.parts:
+            part = np.asarray(part)
+            if len(offset) != len(value.full_shape) or part.ndim != len(offset) or any(
+                    o < 0 or o + n > d for o, n, d in zip(offset, part.shape, value.full_shape, strict=True)):
+                raise ValueError(f"write_bundle: a slice of {key!r} at {offset} with shape {part.shape} does not fit "
+                                 f"its full shape {value.full_shape}.")
+            # Lengths are explicit even where a slice spans a whole dimension, as TF1's Saver writes them.
+            extents = list(zip(offset, part.shape, strict=True))
+            proto = full.slices.add()
+            for o, n in extents:
+                proto.extent.add(start=o, length=n)
+            boxes.append(list(zip(offset, part.shape, strict=True)))
+            records.append((slice_key(name, extents), f"{key} (slice at {offset})", part, None))
+        if not _keys.covers_exactly(value.full_shape, boxes):
+            raise ValueError(f"write_bundle: the slices of {key!r} overlap or do not cover its shape "
+                             f"{value.full_shape}.")
+        dtypes = {np.asarray(p).dtype for _, p in value.parts}
+        if len(dtypes) != 1:
+            raise ValueError(f"write_bundle: the slices of {key!r} have different dtypes {sorted(map(str, dtypes))}.")
+        full.dtype = _as_value(key, np.zeros(0, dtypes.pop()))[0]
+        records.append((name, key, None, full))
+    return sorted(records, key=lambda r: r[0])
+
+
+def _as_value(key: str, value) -> tuple[int, np.ndarray | bytes, tuple[int, ...], int | None]:
+    """(dtype enum, bytes to write, shape, unmasked crc32c or None: that of the bytes) of one value."""
+    if isinstance(value, (bytes, str)):
+        value = np.array(value.encode() if isinstance(value, str) else value, dtype=object)
+    arr = np.asarray(value)
+    if arr.dtype.kind in "OSU":
+        data, crc = _encode_strings(key, arr)
+        return _dtypes.STRING_ENUM, data, arr.shape, crc
+    dtype = arr.dtype.newbyteorder("=") if arr.dtype.byteorder in "<>" else arr.dtype
+    if dtype not in _dtypes.ENUM_OF:
+        raise TypeError(
+            f"write_bundle: key {key!r} has dtype {arr.dtype}, which a TF checkpoint cannot hold "
+            f"(supported: {sorted(str(d) for d in _dtypes.ENUM_OF)}, strings)."
+        )
+    flat = np.ascontiguousarray(arr, dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
+    return _dtypes.ENUM_OF[dtype], flat, arr.shape, None
+
+
+def _encode_strings(key: str, arr: np.ndarray) -> tuple[bytes, int]:
+    items = []
+    for s in arr.reshape(-1).tolist():
+        if isinstance(s, str):
+            s = s.encode("utf-8")
+        if not isinstance(s, bytes):
+            raise TypeError(f"write_bundle: key {key!r} holds {type(s).__name__}, expected bytes or str elements.")
+        items.append(s)
+    lengths = bytearray()
+    for s in items:
+        n = len(s)
+        while n >= 0x80:
+            lengths.append((n & 0x7F) | 0x80)
+            n >>= 7
+        lengths.append(n)
+    # Both checksums cover the lengths as fixed-width integers, not as the varints stored.
+    packed = b"".join(struct.pack("<I" if len(s) <= 0xFFFFFFFF else "<Q", len(s)) for s in items)
+    checksum = struct.pack("<I", mask(crc32c(packed)))
+    strings = b"".join(items)
+    return bytes(lengths) + checksum + strings, crc32c(strings, crc32c(checksum, crc32c(packed)))
+
+
+def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
+    """Writes `tensors` as the TensorBundle `prefix.index` + `prefix.data-00000-of-00001`.
+
+    A `bytes` (or `str`) value is a scalar string; object, bytes_ and str_
+    arrays are string tensors; a `Sliced` value is stored as TF1's Saver
+    stores a partitioned variable. Both files are written under temporary names,
+    synced to disk and renamed into place, data first: a crash or a power loss
+    never leaves a readable half checkpoint.
+    """
+    prefix = os.fspath(prefix)
+    records = _records(tensors)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    data_path = data_filename(prefix, 0, 1)
+    temp = f".tempstate{secrets.token_hex(8)}"
+    items = [(b"", tensor_bundle_pb2.BundleHeaderProto(num_shards=1, version={"producer": VERSION}))]
+    try:
+        with ThreadPoolExecutor(1) as pool, open(data_path + temp, "wb") as f:
+            offset = 0
+            for name, key, value, full in records:
+                if full is not None:
+                    items.append((name, full))
+                    continue
+                enum, data, shape, crc = _as_value(key, value)
+                size = len(data) if isinstance(data, bytes) else data.size
+                if crc is None and size < _OVERLAP_BYTES:
+                    crc = crc32c(data)
+                # A large value's checksum runs beside its write (both release the GIL).
+                job = pool.submit(crc32c, data) if crc is None else None
+                f.write(data)
+                entry = tensor_bundle_pb2.BundleEntryProto(
+                    dtype=enum, shard_id=0, offset=offset, size=size, crc32c=mask(crc if job is None else job.result())
+                )
+                entry.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape)
+                items.append((name, entry))
+                offset += size
+            sync_file(f)
+        index = write_table((k, v.SerializeToString()) for k, v in items)
+        with open(prefix + ".index" + temp, "wb") as f:
+            f.write(index)
+            sync_file(f)
+        os.replace(data_path + temp, data_path)
+        os.replace(prefix + ".index" + temp, prefix + ".index")
+        sync_directory(os.path.dirname(os.path.abspath(prefix)))
+    finally:
+        for path in (data_path + temp, prefix + ".index" + temp):
+            if os.path.exists(path):
+                os.remove(path)

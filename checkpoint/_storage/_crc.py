@@ -1,0 +1,49 @@
+"""crc32c, one copy for every format (TF's masked form for TF files).
+
+google_crc32c's public functions read numpy arrays in place but hold the
+GIL (measured: a Python thread ran at about a fifth of its speed beside a
+256 MB checksum), while `write_bundle` overlaps a large value's checksum with
+its write. So large buffers go through the same C function by ctypes, which
+releases the GIL; small ones and pure-Python builds use the public API.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import google_crc32c
+import numpy as np
+
+_MASK_DELTA = 0xA282EAD8
+_CTYPES_FROM = 1 << 16  # below this, the ctypes call costs more than the GIL it frees
+
+
+def _load_extend():
+    try:
+        from google_crc32c import _crc32c
+
+        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
+    except (ImportError, OSError, AttributeError):  # pure-Python build of google_crc32c
+        return None
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_extend = _load_extend()
+
+
+def crc32c(data, crc: int = 0) -> int:
+    """crc32c of the bytes of `data` (bytes, a buffer, or a numpy array), extending `crc`; `data` is not changed."""
+    if isinstance(data, bytes):
+        return google_crc32c.extend(crc, data)
+    arr = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    arr = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+    if _extend is not None and arr.nbytes >= _CTYPES_FROM:
+        return _extend(crc, arr.ctypes.data, arr.nbytes)
+    return google_crc32c.extend(crc, arr if arr.flags.c_contiguous else arr.tobytes())
+
+
+def mask(crc: int) -> int:
+    """TF's masked crc: rotated and offset, so a crc stored in data is not itself a crc of it."""
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF

@@ -1,0 +1,127 @@
+"""Crash safety (SIGKILL at several points of a save) and async saves followed by donated updates."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoint
+import varstate
+from varstate.optimizers import Adam
+
+# The child saves steps 1, 2, 3, ... with a CheckpointManager (max_to_keep=2); at save 3 it
+# kills itself with SIGKILL at the point named by argv[2] (or it is killed from outside).
+CHILD = textwrap.dedent(
+    """
+    import os, shutil, signal, sys
+    import jax.numpy as jnp
+    import checkpoint, varstate
+    from checkpoint import _manager
+    from orbax.checkpoint._src.path import async_path
+
+    directory, point = sys.argv[1], sys.argv[2]
+    step = 0
+
+    def die(*args, **kwargs):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(module, name):
+        original = getattr(module, name)
+        def patched(*args, **kwargs):
+            die()
+            return original(*args, **kwargs)
+        setattr(module, name, patched)
+
+    if point == "before-commit":
+        wrap(async_path, "rename")         # values written to the temporary directory, not renamed
+    elif point == "before-state":
+        wrap(_manager, "record_latest")  # renamed, not yet recorded as the latest
+    elif point == "mid-state-write":
+        wrap(_manager.os, "fsync")         # state file half written beside the real one
+    elif point == "mid-delete":
+        wrap(_manager.shutil, "rmtree")    # deleting the oldest checkpoint
+    mgr = checkpoint.CheckpointManager(directory, max_to_keep=2)
+    while True:
+        step += 1
+        model = {"w": varstate.Variable(jnp.full(4, float(step))), "big": jnp.full(300_000, float(step))}
+        mgr.save(step, model=model)
+        print("saved", step, flush=True)
+    """
+)
+
+
+def run_child(directory, point):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, directory, point], stdout=subprocess.PIPE, text=True, env=env)
+    if point == "timed":
+        for line in proc.stdout:
+            if line.strip() == "saved 3":
+                time.sleep(0.05)  # somewhere inside save 4
+                proc.send_signal(signal.SIGKILL)
+                break
+    proc.wait(timeout=120)
+    out = proc.stdout.read() if not proc.stdout.closed else ""
+    proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL, out
+    return out
+
+
+@pytest.mark.parametrize("point", ["before-commit", "before-state", "mid-state-write", "mid-delete", "timed"])
+def test_a_killed_save_leaves_the_last_good_checkpoint(tmp_path, point):
+    directory = str(tmp_path)
+    run_child(directory, point)
+    latest = checkpoint.latest_checkpoint(directory)
+    assert latest is not None
+    step = int(latest.rsplit("-", 1)[1])
+    expected_min = 2 if point != "timed" else 3
+    assert step >= expected_min
+    template = {"w": varstate.Variable(jnp.zeros(4)), "big": jnp.zeros(300_000)}
+    got = checkpoint.Checkpoint(model=template).restore(latest).assert_consumed().model
+    assert got["w"].value.tolist() == [float(step)] * 4
+    np.testing.assert_array_equal(got["big"], np.full(300_000, float(step), np.float32))
+    # A new manager carries on from the last good checkpoint; its first save removes the leftovers.
+    mgr = checkpoint.CheckpointManager(directory, max_to_keep=2)
+    assert mgr.latest_checkpoint == latest
+    mgr.save(step + 1, model=template)
+    assert not [p for p in os.listdir(directory) if "tmp" in p]
+    assert checkpoint.latest_checkpoint(directory).endswith(f"ckpt-{step + 1}")
+
+
+def test_async_save_then_donated_optimizer_steps_keep_the_values_at_save_time(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), async_save=True, max_to_keep=None)
+    params = {"big": varstate.Variable(jnp.ones(600_000)), "small": varstate.Variable(jnp.ones(8))}
+    opt = Adam(0.5)
+    state = opt.init(params)
+    grads = {"big": jnp.ones(600_000), "small": jnp.ones(8)}
+    params, state = opt.apply_gradients(grads, params, state)
+    # The step right after `save` donates the saved buffers. While orbax still reads a buffer,
+    # XLA refuses the donation (and copies); once it has its copy, the donation goes through.
+    # Both must leave the checkpoint with the values of the time of `save`.
+    outcomes = []
+    for attempt in range(1, 8):
+        expected = jax.tree.map(lambda x: np.asarray(x.copy()), (params, state))
+        mgr.save(attempt, model=params, optimizer=state)
+        time.sleep(0.02 * (attempt - 1))
+        saved_big, saved_m = params["big"].value, state.get_slot(params["big"], "m").value
+        params, state = opt.apply_gradients(grads, params, state)
+        params, state = opt.apply_gradients(grads, params, state)
+        outcomes.append(saved_big.is_deleted() and saved_m.is_deleted())
+        mgr.wait_until_finished()
+        t_params = {"big": varstate.Variable(jnp.zeros(600_000)), "small": varstate.Variable(jnp.zeros(8))}
+        got = mgr.restore(attempt, model=t_params, optimizer=opt.init(t_params)).assert_consumed()
+        restored = jax.tree.map(np.asarray, (got.model, got.optimizer))
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(a, b)
+        if outcomes[-1]:
+            break
+    assert outcomes[-1], f"the saved buffers were never donated: {outcomes}"
+    assert not np.array_equal(np.asarray(params["big"].value), expected[0]["big"])  # training moved on
+    mgr.close()

@@ -1,0 +1,111 @@
+"""The one module of varstate that depends on how JAX works inside.
+
+Everything else imports trace-related names from here, so that a JAX release
+that moves or drops one of them breaks in one place, with a message naming
+what is missing, instead of deep in a traced function.
+
+- `Tracer`: the public `jax.core.Tracer`.
+- `in_transformation()`: whether JAX is tracing, from the public trace-state
+  API of `jax.extend.core`.
+- `current_trace()` and `made_under(tracer, trace)`: the trace ancestry that
+  `custom_gradient` uses to tell values read from outside the decorated
+  function from those made inside it. The ancestry links are JAX internals
+  (`Tracer._trace`, `parent_trace` of a transformation's trace); they are
+  checked once, on first use, and a `JaxInternalsError` names any that is
+  missing.
+
+No name here is imported from `jax._src`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.core
+import jax.extend.core as _jex
+
+# Public and not deprecated in JAX 0.10; taken from here so that a future move of it changes one line.
+Tracer = jax.core.Tracer
+
+
+def _eval_trace_state() -> Any:
+    # take_current_trace() puts JAX in its top-level (eager) trace for the block, whatever traces are open.
+    with _jex.take_current_trace():
+        return _jex.get_opaque_trace_state()
+
+
+_EVAL_TRACE_STATE = _eval_trace_state()
+
+
+def in_transformation() -> bool:
+    """True while JAX is tracing (jit, grad, vmap, eval_shape, ...); False in `jax.core.eval_context()`."""
+    return _jex.get_opaque_trace_state() != _EVAL_TRACE_STATE
+
+
+def current_trace() -> Any:
+    """The innermost open trace (JAX's eager trace outside any transformation)."""
+    with _jex.take_current_trace() as trace:
+        return trace
+
+
+class JaxInternalsError(RuntimeError):
+    """The installed JAX lacks an internal that a varstate feature relies on."""
+
+
+# The internals made_under reads: a tracer's trace, and a transformation trace's enclosing trace.
+_TRACER_TRACE = "_trace"
+_PARENT_TRACE = "parent_trace"
+_ancestry_checked = False
+
+
+def _missing(what: str, why: str) -> JaxInternalsError:
+    return JaxInternalsError(
+        f"varstate.custom_gradient needs jax internal {what} (found JAX {jax.__version__} without it); {why} "
+        "Install a JAX release that has it (varstate requires jax>=0.10), or report this to varstate."
+    )
+
+
+def check_ancestry_internals() -> None:
+    """Raises `JaxInternalsError` unless traces link to their enclosing trace as `made_under` expects.
+
+    Checked by tracing once: a jvp inside an eval_shape must give a tracer
+    whose trace's parent is the eval_shape's trace.
+    """
+    global _ancestry_checked
+    if _ancestry_checked:
+        return
+    why = "it tells the variables a decorated function reads from outside from those it makes."
+    if not hasattr(Tracer, _TRACER_TRACE):
+        raise _missing(f"jax.core.Tracer.{_TRACER_TRACE}", why)
+    seen: dict[str, Any] = {}
+
+    def outer(x):
+        seen["outer"] = current_trace()
+
+        def inner(y):
+            seen["inner"] = getattr(y, _TRACER_TRACE, None)
+            return y
+
+        jax.jvp(inner, (x,), (x,))
+        return x
+
+    jax.eval_shape(outer, 0.0)
+    inner = seen.get("inner")
+    if inner is None:
+        raise _missing(f"jax.core.Tracer.{_TRACER_TRACE}", why)
+    if getattr(inner, _PARENT_TRACE, None) is not seen["outer"]:
+        raise _missing(f"{type(inner).__name__}.{_PARENT_TRACE}", why)
+    _ancestry_checked = True
+
+
+def made_under(tracer: Tracer, trace: Any) -> bool:
+    """True if `tracer` belongs to `trace` or to a transformation opened inside it."""
+    check_ancestry_internals()
+    t = getattr(tracer, _TRACER_TRACE)
+    while t is not None:
+        if t is trace:
+            return True
+        # Root traces (JAX's eager trace, eager shard_map's) have no parent: the ancestry ends there.
+        t = getattr(t, _PARENT_TRACE, None)
+    return False

@@ -1,0 +1,221 @@
+"""Matching gradients to params: the checks and conversions before an optimizer's kernels run.
+
+Each param leaf (a Variable or a plain array) is paired with the gradient
+leaf at the same place; None gradients and non-trainable Variables are
+skipped; gradients are converted to arrays or `IndexedSlices` and checked
+against their variable (dtype, shape, row indices); the gradients of a
+variable found at several places (tied weights) are summed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from varstate._conversion import convert_to_tensor_or_indexed_slices
+from varstate._indexed_slices import IndexedSlices
+from varstate._jax_compat import Tracer
+from varstate._variable import Variable
+from varstate.optimizers._rows import add_rows
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, Variable)
+
+
+def _is_grad_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (Variable, IndexedSlices))
+
+
+def _value(p: Any) -> Any:
+    return p._value if isinstance(p, Variable) else p
+
+
+def _label(path: tuple, p: Any) -> str:
+    where = jax.tree_util.keystr(path) or "<root>"
+    return f"{p.name!r} (params{where})" if isinstance(p, Variable) else f"params{where}"
+
+
+def _first_difference(grads: Any, params: Any) -> str:
+    """The first key path present in one tree and not in the other, as a readable string."""
+    def paths(tree, is_leaf):
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+
+    g_paths, p_paths = paths(grads, _is_grad_leaf), paths(params, _is_var)
+    for gp, pp in zip(g_paths, p_paths, strict=False):
+        if gp != pp:
+            return f"grads{gp or '<root>'} vs params{pp or '<root>'}"
+    if len(g_paths) > len(p_paths):
+        return f"grads{g_paths[len(p_paths)]} has no matching param"
+    if len(p_paths) > len(g_paths):
+        return f"params{p_paths[len(g_paths)]} has no matching gradient"
+    return "the container types differ at the root"
+
+
+def _flatten_grads(grads: Any, params: Any) -> tuple[list, list, Any, list]:
+    """(param leaves, grad leaves, param treedef, key paths), grads matched to params' structure."""
+    flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
+    try:
+        g_leaves = p_def.flatten_up_to(grads)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"apply_gradients: grads do not have the structure of params; first difference at "
+            f"{_first_difference(grads, params)}. Pass grads with exactly the structure of params "
+            "(None for a param without gradient)."
+        ) from None
+    paths = [p for p, _ in flat]
+    return [x for _, x in flat], g_leaves, p_def, paths
+
+
+def _owners(leaves: list) -> list[int]:
+    """For each leaf, the index of the first leaf holding the same variable (itself if none)."""
+    first: dict[int, int] = {}
+    return [first.setdefault(p.resource_id, i) if isinstance(p, Variable) else i for i, p in enumerate(leaves)]
+
+
+def _sum_grads(a: Any, b: Any, shape: tuple) -> Any:
+    """The sum of two gradients of one variable, sparse while both are."""
+    if isinstance(a, IndexedSlices) and isinstance(b, IndexedSlices):
+        return IndexedSlices(jnp.concatenate([a.values, b.values]), jnp.concatenate([a.indices, b.indices]), shape)
+
+    def dense(g):
+        return add_rows(jnp.zeros(shape, g.values.dtype), g.indices, g.values) if isinstance(g, IndexedSlices) else g
+
+    return dense(a) + dense(b)
+
+
+def _check_indices_range(indices: Any, nrows: int, label: str) -> None:
+    """IndexError (TF: InvalidArgumentError) for concrete out-of-range indices."""
+    if isinstance(indices, Tracer):
+        return
+    idx = np.asarray(indices).reshape(-1)
+    bad = np.flatnonzero((idx < 0) | (idx >= nrows))
+    if bad.size:
+        k = int(bad[0])
+        raise IndexError(
+            f"apply_gradients: IndexedSlices gradient for {label}: index {int(idx[k])} at offset {k} in "
+            f"indices is out of range for a first dimension of size {nrows} (valid: 0..{nrows - 1})."
+        )
+
+
+def _convert_grad(g: Any, var: Any, label: str) -> Any:
+    """The gradient as an array or IndexedSlices of values, checked against the variable."""
+    if not jnp.issubdtype(var.dtype, jnp.inexact):
+        raise ValueError(
+            f"apply_gradients: {label} has dtype {var.dtype}; optimizers update floating-point or complex "
+            "variables only (as TF's). Make it trainable=False, or pass None as its gradient."
+        )
+    if isinstance(g, IndexedSlices):
+        values = _value(g.values)
+        indices = _value(g.indices)
+        if not hasattr(values, "shape") or not hasattr(indices, "shape"):
+            values, indices = jnp.asarray(values), jnp.asarray(indices)
+        if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.ndim != 1:
+            raise TypeError(
+                f"apply_gradients: IndexedSlices gradient for {label}: indices must be a 1-D integer array, "
+                f"got shape {tuple(indices.shape)} dtype {indices.dtype}."
+            )
+        if var.ndim == 0 or tuple(values.shape) != (indices.shape[0], *var.shape[1:]):
+            raise ValueError(
+                f"apply_gradients: IndexedSlices gradient for {label}: values have shape {tuple(values.shape)}, "
+                f"expected {(indices.shape[0], *var.shape[1:])} (indices shape {tuple(indices.shape)} + "
+                f"variable shape {tuple(var.shape)}[1:])."
+            )
+        if g.dense_shape is not None and tuple(g.dense_shape) != tuple(var.shape):
+            raise ValueError(
+                f"apply_gradients: IndexedSlices gradient for {label}: dense_shape {tuple(g.dense_shape)} "
+                f"differs from the variable's shape {tuple(var.shape)}."
+            )
+        _check_dtype(values.dtype, var.dtype, label)
+        return IndexedSlices(values, indices, g.dense_shape)
+    try:
+        g = convert_to_tensor_or_indexed_slices(g)
+    except TypeError:
+        raise TypeError(
+            f"apply_gradients: gradient for {label} must be convertible to a Tensor or IndexedSlices, "
+            f"or None: got {type(g).__name__} {g!r:.60}."
+        ) from None
+    if tuple(g.shape) != tuple(var.shape):
+        raise ValueError(
+            f"apply_gradients: gradient for {label} has shape {tuple(g.shape)}, "
+            f"the variable has shape {tuple(var.shape)}."
+        )
+    _check_dtype(g.dtype, var.dtype, label)
+    return g
+
+
+def _check_dtype(got: Any, want: Any, label: str) -> None:
+    if got != want:
+        raise TypeError(
+            f"apply_gradients: gradient for {label} has dtype {got}, the variable has dtype {want}. "
+            f"Cast the gradient with .astype({want})."
+        )
+
+
+def _gradients_by_owner(p_leaves: list, g_leaves: list, paths: list, owners: list[int]) -> dict[int, Any]:
+    """{owner index: converted gradient} for every trainable param with a gradient.
+
+    One entry per variable: the gradients of a variable found at several
+    places (tied weights) add up, as TF's tape adds the contributions of every
+    read. ValueError when no param has a gradient.
+    """
+    work: dict[int, Any] = {}
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+        if g is None or (isinstance(p, Variable) and not p.trainable):
+            continue
+        label = _label(paths[i], p)
+        g = _convert_grad(g, _value(p), label)
+        if isinstance(g, IndexedSlices):
+            _check_indices_range(g.indices, _value(p).shape[0], label)
+        work[owners[i]] = g if owners[i] not in work else _sum_grads(work[owners[i]], g, _value(p).shape)
+    if not work:
+        raise ValueError(
+            "apply_gradients: no gradients provided for any variable (every gradient is None or its "
+            f"variable is non-trainable): {[_label(paths[i], p) for i, p in enumerate(p_leaves)]}."
+        )
+    return work
+
+
+def _validate_grads(grads: Any, params: Any) -> None:
+    p_leaves, g_leaves, _, paths = _flatten_grads(grads, params)
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+        if g is not None:
+            _convert_grad(g, _value(p), _label(paths[i], p))
+
+
+# grads treedef -> positions (in jax.tree.leaves(grads)) of IndexedSlices indices, or () when none.
+_SPARSE_POSITIONS: dict[Any, tuple[int, ...]] = {}
+
+
+def _check_sparse_indices(grads: Any, params: Any) -> Any:
+    """Checks concrete IndexedSlices indices before jit, where they are still visible; returns grads' treedef."""
+    g_def = jax.tree.structure(grads)
+    positions = _SPARSE_POSITIONS.get(g_def)
+    if positions == ():
+        return g_def
+    if positions is None:
+        positions = tuple(i for i, m in enumerate(jax.tree.leaves(_mark_indices(grads))) if m)
+        if len(_SPARSE_POSITIONS) < 1024:
+            _SPARSE_POSITIONS[g_def] = positions
+        if not positions:
+            return g_def
+    try:
+        p_leaves, g_leaves, _, paths = _flatten_grads(grads, params)
+    except ValueError:
+        return g_def  # reported with its path when the step is traced
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+        if isinstance(g, IndexedSlices) and hasattr(_value(p), "shape") and _value(p).ndim:
+            _check_indices_range(_value(g.indices), _value(p).shape[0], _label(paths[i], p))
+    return g_def
+
+
+def _mark_indices(grads: Any) -> Any:
+    """grads with each leaf replaced by True where it is an IndexedSlices' indices, else False."""
+    def mark(x):
+        if isinstance(x, IndexedSlices):
+            return IndexedSlices(jax.tree.map(lambda _: False, x.values), True, x.dense_shape)
+        return jax.tree.map(lambda _: False, x)
+    return jax.tree.map(mark, grads, is_leaf=_is_grad_leaf)

@@ -1,0 +1,42 @@
+"""Row helpers for optimizer kernels: hyperparameters in the variable's dtype, and rows of sparse updates.
+
+A sparse kernel reads, updates and writes back the rows its gradient names;
+after `_dedupe` those indices are unique and padded with an out-of-range
+row, which reads as zeros and whose writes are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = Any
+
+
+def _dedupe(values: Array, indices: Array, nrows: int) -> tuple[Array, Array]:
+    """Sums rows with equal indices; unique indices padded with `nrows` (an out-of-range row, dropped)."""
+    n = indices.shape[0]
+    uniq, inv = jnp.unique(indices, return_inverse=True, size=n, fill_value=nrows)
+    return jax.ops.segment_sum(values, inv.reshape(-1), num_segments=n), uniq
+
+
+def gather_rows(x: Array, idx: Array) -> Array:
+    """Rows `x[idx]`; out-of-range (padding) rows read as zeros."""
+    return x.at[idx].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+
+
+def set_rows(x: Array, idx: Array, rows: Array) -> Array:
+    """`x` with rows `idx` replaced; out-of-range (padding) rows are dropped."""
+    return x.at[idx].set(rows, mode="drop", wrap_negative_indices=False)
+
+
+def add_rows(x: Array, idx: Array, rows: Array) -> Array:
+    """`x` with `rows` added at `idx` (duplicates accumulate); out-of-range rows are dropped."""
+    return x.at[idx].add(rows, mode="drop", wrap_negative_indices=False)
+
+
+def as_dtype(x: Any, dtype: Any) -> Array:
+    """A hyperparameter as TF passes it to a kernel: a float32 tensor cast to the variable's dtype."""
+    return jnp.asarray(x, jnp.float32).astype(dtype)
