@@ -19,8 +19,9 @@ from checkpoint._errors import CheckpointFormatError, DataLossError
 if TYPE_CHECKING:
     from checkpoint._checkpoint import Checkpoint, read_checkpoint
     from checkpoint._export import Asset, export, load, register_revived_type
-    from checkpoint._manager import CheckpointManager, latest_checkpoint
+    from checkpoint._manager import CheckpointManager, StepAlreadyExistsError, latest_checkpoint
     from checkpoint._name_based import NameBasedLoadStatus, restore_by_name, write_name_based
+    from checkpoint._saved_model import read_saved_model
     from checkpoint._status import LoadStatus
 
 _HOME = {
@@ -33,8 +34,10 @@ _HOME = {
     "latest_checkpoint": "_manager",
     "load": "_export",
     "read_checkpoint": "_checkpoint",
+    "read_saved_model": "_saved_model",
     "register_revived_type": "_export",
     "restore_by_name": "_name_based",
+    "StepAlreadyExistsError": "_manager",
     "write_name_based": "_name_based",
 }
 
@@ -46,10 +49,12 @@ __all__ = [
     "DataLossError",
     "LoadStatus",
     "NameBasedLoadStatus",
+    "StepAlreadyExistsError",
     "export",
     "latest_checkpoint",
     "load",
     "read_checkpoint",
+    "read_saved_model",
     "register_revived_type",
     "restore_by_name",
     "write_name_based",
@@ -57,6 +62,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "keras":  # the public submodule `checkpoint.keras`, also imported on first use
+        return importlib.import_module("checkpoint.keras")
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from checkpoint import _graph, _keys, _storage
+from checkpoint import _graph, _keys, _publish, _storage
 from checkpoint._errors import DataLossError
 from checkpoint._status import InitializationOnlyStatus, LoadStatus
 
@@ -36,6 +36,11 @@ def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
     np.float32(6.0)
     """
     return _storage.open_reader(path)
+
+
+def _check_format(format: str, where: str) -> None:
+    if format not in ("orbax", "tf"):
+        raise ValueError(f"{where}: unknown format {format!r}; expected 'orbax' or 'tf'.")
 
 
 class Checkpoint:
@@ -77,54 +82,126 @@ class Checkpoint:
             roots[_keys.SAVE_COUNTER] = np.int64(self.save_counter)
         return _graph.build(roots)
 
-    def write(self, path: str, format: str = "orbax", *, _checkpointer: Any = None) -> str:
+    def write(self, path: str, format: str = "orbax") -> str:
         """Writes the roots to `path` and returns it once committed (no numbering).
 
         `format="tf"` writes a TensorBundle (``path.index`` + data files) that
-        TensorFlow reads. An existing checkpoint at `path` is replaced, and the
-        replacement is not atomic: `CheckpointManager` unlists a checkpoint before
-        rewriting it.
+        TensorFlow reads. An existing checkpoint at `path` is replaced, never
+        leaving a moment without one: the new checkpoint is written completely
+        under a temporary name first, and where the directory's ``checkpoint``
+        state file names the old one, it names a stand-in for it (hard links)
+        while the two are swapped.
+
+        >>> import os, tempfile, jax.numpy as jnp, checkpoint
+        >>> path = os.path.join(tempfile.mkdtemp(), "weights")
+        >>> _ = checkpoint.Checkpoint(w=jnp.zeros(2)).write(path)
+        >>> _ = checkpoint.Checkpoint(w=jnp.ones(2)).write(path, format="tf")  # replaces it
+        >>> checkpoint.read_checkpoint(path).get("w/.ATTRIBUTES/VARIABLE_VALUE").tolist()
+        [1.0, 1.0]
         """
         path = os.path.abspath(os.fspath(path))
-        graph = self._graph()
-        values = _graph.values(graph)
-        if format == "tf":
-            from checkpoint._storage._tensors import tf_tensors
-
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            _storage.write_bundle(path, tf_tensors(values, graph.proto.SerializeToString()))
-            return path
-        if format != "orbax":
-            raise ValueError(f"Checkpoint.write: unknown format {format!r}; expected 'orbax' or 'tf'.")
-        from checkpoint._storage import _orbax
-
-        tree, meta = _orbax.layout(values, graph.proto)
-        checkpointer = _checkpointer or _orbax.checkpointer()
-        checkpointer.save(path, args=_orbax.save_args(tree, meta), force=True)
-        if _checkpointer is None:
-            checkpointer.close()
+        _check_format(format, "Checkpoint.write")
+        _publish.check_replaceable(path, format, "Checkpoint.write")
+        lock = _publish.begin(os.path.dirname(path))
+        try:
+            self._write_now(path, format)
+        finally:
+            lock.release()
         return path
 
     def save(self, file_prefix: str, format: str = "orbax") -> str:
         """Writes ``file_prefix-N`` (N = the new `save_counter`) and records it as the latest.
 
-        Updates the directory's ``checkpoint`` state file, as TF does.
+        Updates the directory's ``checkpoint`` state file, as TF does. A
+        checkpoint already at ``file_prefix-N`` (a new process whose counter
+        was not restored) is replaced as `write` replaces one.
         """
+        _check_format(format, "Checkpoint.save")
         self._counter_tracked = True
         self.save_counter += 1
-        path = self.write(f"{os.fspath(file_prefix)}-{self.save_counter}", format=format)
-        _storage.record_latest(os.path.dirname(path), path)
+        path = os.path.abspath(f"{os.fspath(file_prefix)}-{self.save_counter}")
+        _publish.check_replaceable(path, format, "Checkpoint.save")
+        directory = os.path.dirname(path)
+        lock = _publish.begin(directory)
+        try:
+            self._write_now(path, format)
+            _storage.record_latest(directory, path)
+        finally:
+            lock.release()
         return path
 
-    def restore(self, save_path: str) -> LoadStatus:
+    def _write_now(self, path: str, format: str) -> None:
+        temp = _publish.temporary(path, "new")
+        try:
+            self._start_write(temp, format)()
+            _publish.publish(temp, path)
+        except BaseException:
+            _publish.remove(temp)
+            raise
+
+    def _start_write(self, temp: str, format: str, checkpointer: Any = None, background: bool = False):
+        """Starts writing the roots to the unpublished name `temp`; returns the function that finishes it.
+
+        With `background` the values are copied off the arrays before this
+        returns, so the caller may update (or donate) them while the returned
+        function runs in another thread.
+        """
+        graph = self._graph()
+        values = _graph.values(graph)
+        if format == "tf":
+            from checkpoint._storage._tensors import tf_tensors
+
+            tensors = tf_tensors(values, graph.proto.SerializeToString())
+            if background:  # np.asarray of a CPU jax.Array may share its buffer
+                tensors = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in tensors.items()}
+            return lambda: _storage.write_bundle(temp, tensors)
+        from checkpoint._storage import _orbax
+
+        tree, meta = _orbax.layout(values, graph.proto)
+        if checkpointer is None:
+            checkpointer = _orbax.checkpointer()
+            try:
+                checkpointer.save(temp, args=_orbax.save_args(tree, meta))
+            finally:
+                checkpointer.close()
+            return lambda: None
+        checkpointer.save(temp, args=_orbax.save_args(tree, meta))
+        return getattr(checkpointer, "wait_until_finished", lambda: None)
+
+    def restore(self, save_path: str | None, *, strict: bool = False) -> LoadStatus:
         """Restores the roots from `save_path` by object-graph structure; see `LoadStatus`.
 
         `save_path=None` (``latest_checkpoint`` found none) returns the roots
         unchanged in a status whose assertions fail, as TF's
-        InitializationOnlyStatus.
+        InitializationOnlyStatus. By default a partial match is allowed, as in
+        TF (check it with the status's assertions, or restore the rest later
+        with ``status.restore``); ``strict=True`` raises ValueError unless
+        every value of the roots and every value in the checkpoint matched.
+
+        >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
+        >>> path = checkpoint.Checkpoint(a=jnp.ones(2), b=jnp.ones(2)).write(os.path.join(tempfile.mkdtemp(), "c"))
+        >>> checkpoint.Checkpoint(a=jnp.zeros(2)).restore(path, strict=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: Checkpoint.restore(..., strict=True): Unresolved object in checkpoint (root).b: ...
         """
         if save_path is None:
-            return InitializationOnlyStatus(dict(self._roots))
+            status: LoadStatus = InitializationOnlyStatus(dict(self._roots))
+        else:
+            status = self._restore(save_path)
+        if strict:
+            try:
+                status.assert_consumed()
+            except AssertionError as e:
+                status.expect_partial()
+                raise ValueError(
+                    f"Checkpoint.restore({save_path!r}, strict=True): {e} With strict=True every value of the "
+                    "roots and every value in the checkpoint must match; restore with strict=False to accept a "
+                    "partial match."
+                ) from None
+        return status
+
+    def _restore(self, save_path: str) -> LoadStatus:
         reader = _storage.open_reader(save_path)
         if reader.object_graph is None:
             raise ValueError(
@@ -141,6 +218,15 @@ class Checkpoint:
                     "holds no value; the checkpoint is corrupted."
                 )
             key = state.proto.nodes[counter].attributes[0].checkpoint_key
+            dtype, shape = np.dtype(reader.dtype(key)), tuple(reader.shape(key))
+            if dtype.kind not in "iu" or shape != ():
+                # TF's counter is a scalar int64 variable and TF refuses anything else; rounding 3.9 to 3
+                # would number the next save wrongly.
+                raise DataLossError(
+                    f"Checkpoint {save_path!r}: save_counter ({key!r}) holds {dtype} with shape {shape}; expected "
+                    "a scalar integer (TF saves an int64). The checkpoint is corrupted or was not written by "
+                    "Checkpoint.save; read its values with checkpoint.read_checkpoint(path) and save them again."
+                )
             self.save_counter = int(np.asarray(reader.get(key)).item())
             self._counter_tracked = True
             state.matched[counter] = "(root).save_counter"

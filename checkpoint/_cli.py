@@ -1,16 +1,23 @@
-"""`python -m checkpoint` / `varstate-ckpt`: inspect, convert and diff checkpoints.
+"""`python -m checkpoint` / `varstate-ckpt`: inspect, convert and diff checkpoints and exports.
 
 Reads every format `read_checkpoint` reads (orbax, TF object-based, TF
-name-based). Output uses rich (tables, trees, a progress bar) when stdout is
-a terminal and plain text otherwise. Bad input ends with one line on stderr
-and exit status 2; `diff` exits 0 when the checkpoints match and 1 when not.
+name-based) and, for `inspect`, the directories `checkpoint.export` writes.
+Output uses rich (tables, trees, a progress bar) when stdout is a terminal,
+plain text otherwise, and JSON with ``--json``. Names read from a file are
+printed with their control characters escaped, so a crafted key cannot
+drive the terminal. Bad input ends with one line on stderr and exit status
+2; `diff` exits 0 when the checkpoints match and 1 when not. Only orbax
+checkpoints and exports import jax.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
+import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +42,41 @@ def _console():
     from rich.console import Console
 
     return Console(file=sys.stdout)
+
+
+# Control characters (C0, DEL, C1), format characters (bidi overrides, zero-width), line and paragraph
+# separators, and lone surrogates: none is meant for a terminal, and ESC or a bidi override can rewrite it.
+_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Zl", "Zp"))
+
+
+def _safe(text: str) -> str:
+    """`text` with every character a terminal would act on written as a Python escape (``\\x1b``)."""
+    if text.isprintable():  # the common case: nothing to do
+        return text
+    out = []
+    for ch in text:
+        if unicodedata.category(ch) in _UNPRINTABLE:
+            n = ord(ch)
+            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _print(line: str = "") -> None:
+    print(_safe(line))
+
+
+def _print_json(data: Any) -> None:
+    # ensure_ascii: every non-ASCII character, control characters of any kind included, as a \\uXXXX escape.
+    print(json.dumps(data, ensure_ascii=True, allow_nan=False))
+
+
+def _number(x: Any) -> Any:
+    """A value for JSON: NaN and the infinities as the strings "nan", "inf", "-inf" (JSON has none)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
 
 
 # --- values -------------------------------------------------------------------
@@ -78,13 +120,21 @@ def _format_name(reader) -> str:
 
 
 # --- inspect -------------------------------------------------------------------
-def _graph_rows(graph, reader) -> tuple[list[tuple[int, str]], set[str]]:
-    """(depth, label) lines of the object graph, and the keys it reaches.
+def _value_info(reader, key: str, attribute: str) -> dict[str, Any]:
+    dtype, _, size = _describe(reader, key)
+    info = {"key": key, "dtype": dtype, "shape": list(reader.shape(key)), "bytes": size}
+    return info if attribute == _keys.VARIABLE_VALUE else {**info, "attribute": attribute}
 
-    Objects are referred to by their escaped path, the prefix of their keys.
-    """
-    nodes = graph.nodes
-    # A node's path is the first one found breadth-first, as TF names its keys.
+
+def _value_label(info: dict[str, Any]) -> str:
+    if info.get("missing"):
+        return f"missing value {info['key']!r}"
+    extra = f" [{info['attribute']}]" if "attribute" in info else ""
+    return f"{info['dtype']} {tuple(info['shape'])} {_human(info['bytes'])}{extra}"
+
+
+def _bfs_paths(nodes) -> dict[int, str]:
+    """Each node's path (escaped local names), the first one found breadth-first, as TF names its keys."""
     paths = {0: ""}
     queue = [0]
     for node_id in queue:
@@ -92,97 +142,142 @@ def _graph_rows(graph, reader) -> tuple[list[tuple[int, str]], set[str]]:
             if child.node_id not in paths and 0 <= child.node_id < len(nodes):
                 paths[child.node_id] = f"{paths[node_id]}/{_keys.escape(child.local_name)}".lstrip("/")
                 queue.append(child.node_id)
-    rows: list[tuple[int, str]] = []
+    return paths
+
+
+def _tree_rows(nodes, describe) -> list[dict[str, Any]]:
+    """The object graph as rows, depth first: each object under its first path, later paths as `same_as`.
+
+    `describe(node_id)` gives a row's fields for a node. A stack, not recursion: the depth of the graph is
+    the file's to choose, and a chain of thousands of objects must print.
+    """
+    paths = _bfs_paths(nodes)
+    rows: list[dict[str, Any]] = []
+    stack = [(0, 0, iter(nodes[0].children))]
+    while stack:
+        node_id, depth, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            stack.pop()
+            for slot in nodes[node_id].slot_variables:  # after the node's children, as TF lists them
+                if 0 <= slot.slot_variable_node_id < len(nodes):
+                    rows.append({"depth": depth, "slot": slot.slot_name,
+                                 "of": paths.get(slot.original_variable_node_id, "?"),
+                                 **describe(slot.slot_variable_node_id)})
+            continue
+        path = f"{paths[node_id]}/{_keys.escape(child.local_name)}".lstrip("/")
+        if paths.get(child.node_id) != path:
+            rows.append({"depth": depth, "name": child.local_name, "path": path,
+                         "same_as": paths.get(child.node_id, "?")})
+            continue
+        rows.append({"depth": depth, "name": child.local_name, "path": path, **describe(child.node_id)})
+        stack.append((child.node_id, depth + 1, iter(nodes[child.node_id].children)))
+    return rows
+
+
+def _graph_rows(graph, reader) -> tuple[list[dict[str, Any]], set[str]]:
+    """The checkpoint's object graph as rows (see `_tree_rows`), and the keys it reaches."""
+    nodes, reader_keys = graph.nodes, set(reader.keys())
     seen: set[str] = set()
 
-    def info(node_id: int) -> str:
-        parts = []
+    def describe(node_id: int) -> dict[str, Any]:
+        values = []
         for attr in nodes[node_id].attributes:
-            key = attr.checkpoint_key
-            seen.add(key)
-            if key in reader_keys:
-                dtype, shape, size = _describe(reader, key)
-                extra = "" if attr.name == "VARIABLE_VALUE" else f" [{attr.name}]"
-                parts.append(f"{dtype} {shape} {_human(size)}{extra}")
-            else:
-                parts.append(f"missing value {key!r}")
-        return ("  " + "; ".join(parts)) if parts else ""
+            seen.add(attr.checkpoint_key)
+            values.append(_value_info(reader, attr.checkpoint_key, attr.name) if attr.checkpoint_key in reader_keys
+                          else {"key": attr.checkpoint_key, "missing": True})
+        return {"values": values}
 
-    def walk(node_id: int, depth: int) -> None:
-        node = nodes[node_id]
-        for child in node.children:
-            path = f"{paths[node_id]}/{_keys.escape(child.local_name)}".lstrip("/")
-            if paths.get(child.node_id) != path:
-                rows.append((depth, f"{child.local_name} -> same object as {paths.get(child.node_id, '?')}"))
-                continue
-            rows.append((depth, f"{child.local_name}{info(child.node_id)}"))
-            walk(child.node_id, depth + 1)
-        for slot in node.slot_variables:
-            if 0 <= slot.slot_variable_node_id < len(nodes):
-                owner = paths.get(slot.original_variable_node_id, "?")
-                rows.append((depth, f"slot {slot.slot_name!r} of {owner}{info(slot.slot_variable_node_id)}"))
+    return _tree_rows(nodes, describe), seen
 
-    reader_keys = set(reader.keys())
-    walk(0, 0)
-    return rows, seen
+
+def _row_label(row: dict[str, Any]) -> str:
+    if "same_as" in row:
+        return f"{row['name']} -> same object as {row['same_as']}"
+    head = f"slot {row['slot']!r} of {row['of']}" if "slot" in row else row["name"]
+    info = "; ".join(map(_value_label, row.get("values", [])))
+    if "kind" in row:  # an export's object, or a key outside the object graph
+        info = " ".join(x for x in (row["kind"], info) if x) + (f", {row['note']}" if "note" in row else "")
+    return f"{head}  {info}" if info else head
+
+
+# Deeper than this, rich's tree guides leave no room for the names: the tree is printed as indented text.
+_RICH_TREE_DEPTH = 24
+
+
+def _print_tree(title: str, rows: list[dict[str, Any]], footer: str) -> None:
+    if _is_terminal() and max((r["depth"] for r in rows), default=0) < _RICH_TREE_DEPTH:
+        from rich.text import Text
+        from rich.tree import Tree
+
+        # Text, not markup: names may hold brackets.
+        root = Tree(Text(_safe(title)))
+        stack = [root]
+        for row in rows:
+            del stack[row["depth"] + 1:]
+            stack.append(stack[row["depth"]].add(Text(_safe(_row_label(row)))))
+        console = _console()
+        console.print(root)
+        console.print(_safe(footer), markup=False)
+        return
+    _print(title)
+    for row in rows:
+        _print("  " * (row["depth"] + 1) + _row_label(row))
+    _print(footer)
+
+
+def _total(n: int, total: int) -> str:
+    return f"{n} values, {_human(total)}" + (f" ({total} bytes)" if total >= 1024 else "")
 
 
 def _inspect(args) -> int:
+    if _is_export(args.path):
+        return _inspect_export(args)
     reader = _storage.open_reader(args.path)
     if args.key is not None:
-        return _inspect_key(reader, args.key)
+        return _inspect_key(reader, args.key, args.json)
     keys = _key_list(reader)
     total = 0
     for key in keys:
         total += _nbytes(reader, key)
-    title = f"{getattr(reader, 'prefix', None) or getattr(reader, 'path', args.path)}: {_format_name(reader)}"
-    footer = f"{len(keys)} values, {_human(total)}" + (f" ({total} bytes)" if total >= 1024 else "")
-    tty = _is_terminal()
-    if _graph(reader) is not None:
-        rows, seen = _graph_rows(_graph(reader), reader)
-        rows += [(0, f"{k} (outside the object graph)  " + " ".join(map(str, _describe(reader, k)[:2])))
-                 for k in keys if k not in seen]
-        if tty:
-            from rich.text import Text
-            from rich.tree import Tree
-
-            # Text, not markup: names may hold brackets.
-            root = Tree(Text(title))
-            stack = [root]
-            for depth, label in rows:
-                del stack[depth + 1:]
-                stack.append(stack[depth].add(Text(label)))
-            console = _console()
-            console.print(root)
-            console.print(footer, markup=False)
-        else:
-            print(title)
-            for depth, label in rows:
-                print("  " * (depth + 1) + label)
-            print(footer)
-        return 0
+    where = getattr(reader, "prefix", None) or getattr(reader, "path", args.path)
+    title = f"{where}: {_format_name(reader)}"
+    footer = _total(len(keys), total)
+    graph = _graph(reader)
+    rows, seen = _graph_rows(graph, reader) if graph is not None else ([], set())
     slices = getattr(reader, "get_slices", lambda key: [])
+    if args.json:
+        _print_json({"path": where, "format": _format_name(reader), "values": len(keys), "bytes": total,
+                     "objects": rows if graph is not None else None,
+                     "keys": [{**_value_info(reader, k, _keys.VARIABLE_VALUE), "slices": len(slices(k)),
+                               "in_object_graph": k in seen} for k in keys]})
+        return 0
+    if graph is not None:
+        rows += [{"depth": 0, "name": f"{k} (outside the object graph)", "kind": " ".join(map(str, _describe(
+            reader, k)[:2]))} for k in keys if k not in seen]
+        _print_tree(title, rows, footer)
+        return 0
     table = [(k, *_describe(reader, k), f"{len(slices(k))} slices" if slices(k) else "") for k in keys]
-    if tty:
+    if _is_terminal():
         from rich.table import Table
         from rich.text import Text
 
-        t = Table(title=Text(title), caption=footer)
+        t = Table(title=Text(_safe(title)), caption=footer)
         for col in ("name", "dtype", "shape", "bytes", "saved as"):
             t.add_column(col, justify="right" if col == "bytes" else "left")
         for name, dtype, shape, size, note in table:
-            t.add_row(Text(name), dtype, shape, _human(size), note)
+            t.add_row(Text(_safe(name)), dtype, shape, _human(size), note)
         _console().print(t)
     else:
-        print(title)
-        width = max((len(r[0]) for r in table), default=4)
+        _print(title)
+        width = max((len(_safe(r[0])) for r in table), default=4)
         for name, dtype, shape, size, note in table:
-            print(f"  {name:<{width}}  {dtype:<8} {shape:<14} {_human(size):>9}  {note}".rstrip())
-        print(footer)
+            _print(f"  {_safe(name):<{width}}  {dtype:<8} {shape:<14} {_human(size):>9}  {note}".rstrip())
+        _print(footer)
     return 0
 
 
-def _inspect_key(reader, key: str) -> int:
+def _inspect_key(reader, key: str, as_json: bool = False) -> int:
     keys = set(reader.keys())
     if key not in keys and key + _VALUE_SUFFIX in keys:
         key += _VALUE_SUFFIX
@@ -192,17 +287,139 @@ def _inspect_key(reader, key: str) -> int:
         raise _UsageError(f"no key {key!r} in the checkpoint{hint}")
     value = np.asarray(reader.get(key))
     dtype, shape, size = _describe(reader, key)
-    lines = [f"key: {key}", f"dtype: {dtype}", f"shape: {shape}", f"bytes: {size}"]
+    fields: dict[str, Any] = {"key": key, "dtype": dtype, "shape": shape, "bytes": size}
     flat = value.ravel()
     if _dtypes.is_real(value.dtype) and flat.size:
         x = flat if value.dtype.kind in "iu" else flat.astype(np.float64)
-        lines += [f"min: {x.min()}", f"max: {x.max()}", f"mean: {x.astype(np.float64).mean()}"]
+        fields.update(min=x.min().item(), max=x.max().item(), mean=x.astype(np.float64).mean().item())
     elif value.dtype.kind == "c" and flat.size:
-        lines += [f"max abs: {np.abs(flat).max()}", f"mean: {flat.mean()}"]
-    first = [x if len(x) <= 40 else x[:40] + b"..." for x in flat[:10]] if _is_str(value.dtype) else flat[:10].tolist()
-    lines.append(f"first values: {first}{' ...' if flat.size > 10 else ''}")
-    print("\n".join(lines))
+        fields.update({"max abs": np.abs(flat).max().item(), "mean": flat.mean().item()})
+    first = ([x if len(x) <= 40 else x[:40] + b"..." for x in flat[:10]] if _is_str(value.dtype)
+             else flat[:10].tolist())
+    if as_json:
+        fields.update({"shape": list(reader.shape(key)), "first values": [_json_value(x) for x in first],
+                       "more values": flat.size > 10})
+        _print_json({k.replace(" ", "_"): v if isinstance(v, list) else _json_value(v) for k, v in fields.items()})
+        return 0
+    for name, v in fields.items():
+        _print(f"{name}: {v}")
+    _print(f"first values: {first}{' ...' if flat.size > 10 else ''}")
     return 0
+
+
+def _json_value(x: Any) -> Any:
+    """One value of a checkpoint as JSON data: bytes as text, complex as [re, im], ml_dtypes' numbers as float."""
+    if isinstance(x, bytes):
+        return x.decode("utf-8", "backslashreplace")
+    if isinstance(x, complex):
+        return [_number(x.real), _number(x.imag)]
+    if isinstance(x, (bool, int, str)):
+        return x
+    return _number(float(x))
+
+
+# --- exports -----------------------------------------------------------------------
+def _is_export(path: str) -> bool:
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, "export.pb"))
+
+
+def _open(path: str):
+    """A reader for a checkpoint, or for the variables of an export."""
+    return _storage.open_reader(os.path.join(path, "variables", "variables") if _is_export(path) else path)
+
+
+def _inspect_export(args) -> int:
+    """An export's objects, and each signature's inputs, outputs, platforms and the values it reads."""
+    from checkpoint._export import _coder, _format, _load  # jax: deserializing a function needs it
+
+    directory = os.path.abspath(args.path)
+    definition = _load.read_definition(directory)
+    reader = _open(directory)
+    if args.key is not None:
+        return _inspect_key(reader, args.key, args.json)
+    graph, bundle_graph = definition.object_graph, _graph(reader)
+    nodes = graph.nodes
+    reader_keys = set(reader.keys())
+    names = {_format.WRAPPERS[t]: t.__name__ for t in _format.WRAPPERS}
+    names[_format.SIGNATURE_MAP] = "signature map"
+
+    def describe(node_id: int) -> dict[str, Any]:
+        node = nodes[node_id]
+        kind = node.WhichOneof("kind")
+        if kind == "variable":
+            v = node.variable
+            key = _variable_key(bundle_graph, node_id)
+            info = _value_info(reader, key, _keys.VARIABLE_VALUE) if key in reader_keys else {"key": key,
+                                                                                               "missing": True}
+            return {"kind": f"variable {v.name!r}", "variable": {"name": v.name, "trainable": v.trainable},
+                    "values": [info], **({} if v.trainable else {"note": "not trainable"})}
+        if kind == "constant":
+            key = node.constant.operation
+            if key not in reader_keys:
+                return {"kind": "constant", "values": [{"key": key, "missing": True}]}
+            if key.endswith(_keys.value_suffix(_keys.PY_STATE)):
+                item = np.asarray(reader.get(key)).item()
+                item = item.decode("utf-8", "backslashreplace") if isinstance(item, bytes) else item
+                shown = repr(item) if len(repr(item)) <= 40 else repr(item)[:40] + "..."
+                return {"kind": f"python {type(item).__name__} {shown}", "python_value": _number(item)}
+            return {"kind": "constant", "values": [_value_info(reader, key, _keys.VARIABLE_VALUE)]}
+        if kind == "asset":
+            i = node.asset.asset_file_def_index
+            files = definition.asset_file_def
+            name = files[i].filename if 0 <= i < len(files) else f"<asset index {i} outside the export>"
+            return {"kind": f"asset {name}", "asset": name}
+        if kind == "bare_concrete_function":
+            return {"kind": f"function {node.bare_concrete_function.concrete_function_name}",
+                    "function": node.bare_concrete_function.concrete_function_name}
+        if kind == "user_object":
+            uo = node.user_object
+            shown = names.get(uo.identifier) or (uo.metadata if uo.identifier == _format.GENERIC else
+                                                 f"{uo.identifier} ({uo.metadata})" if uo.metadata else uo.identifier)
+            return {"kind": shown or "object", "type": uo.identifier, "python_type": uo.metadata}
+        return {"kind": f"unknown kind {kind!r}"}
+
+    rows = _tree_rows(nodes, describe)
+    paths = _bfs_paths(nodes)
+    signatures = []
+    for row in rows:
+        if "function" not in row or "same_as" in row:
+            continue
+        name, label = row["function"], row["path"].removeprefix("signatures/")
+        fn = graph.concrete_functions.get(name)
+        if fn is None:
+            raise _UsageError(f"{directory}: signature {label!r} names function {name!r}, which the export does not "
+                              "have (the export is damaged)")
+        exported = _load.read_function(directory, definition, name, label)
+        inputs = _coder.structure_json(fn.canonicalized_input_signature)
+        # ((args...), {}) as TF writes it: the positional arguments, as a list
+        positional = inputs["tuple"][0]["tuple"] if inputs and "tuple" in inputs and inputs["tuple"] else inputs
+        signatures.append({"name": label, "function": name, "inputs": positional,
+                           "outputs": _coder.structure_json(fn.output_signature),
+                           "platforms": list(exported.platforms),
+                           "reads": [paths.get(n, f"node {n}") for n in fn.bound_inputs]})
+    keys = _key_list(reader)
+    total, n_values = sum(_nbytes(reader, k) for k in keys), len(keys)
+    version = definition.version.producer
+    if args.json:
+        _print_json({"path": directory, "format": "export", "format_version": version, "values": n_values,
+                     "bytes": total, "objects": rows, "signatures": signatures})
+        return 0
+    text = _coder.structure_text
+    args_text = lambda x: f"({', '.join(map(text, x))})" if isinstance(x, list) else text(x)
+    lines = [f"signature {s['name']}: {args_text(s['inputs'])} -> {text(s['outputs'])}"
+             f"  platforms: {', '.join(s['platforms'])}  reads: {', '.join(s['reads']) or 'nothing'}"
+             for s in signatures]
+    _print_tree(f"{directory}: export (format version {version})", rows, _total(n_values, total))
+    for line in lines:
+        _print(line)
+    return 0
+
+
+def _variable_key(graph, node_id: int) -> str:
+    """The key of variable `node_id` in an export's bundle: the bundle's object graph numbers nodes as the export's."""
+    if graph is None or not 0 <= node_id < len(graph.nodes) or not graph.nodes[node_id].attributes:
+        return f"<no value for node {node_id}>"
+    return graph.nodes[node_id].attributes[0].checkpoint_key
 
 
 # --- convert -------------------------------------------------------------------
@@ -261,7 +478,7 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
 def _convert(args) -> int:
     if os.path.exists(args.dst) or os.path.exists(args.dst + ".index"):
         raise _UsageError(f"destination {args.dst!r} already exists; remove it or choose another path")
-    reader = _storage.open_reader(args.src)
+    reader = _open(args.src)
     keys = _key_list(reader)
     tensors = dict(_read_all(reader, keys, "reading"))
     graph = _graph(reader)
@@ -308,32 +525,41 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _diff(args) -> int:
-    ra, rb = _storage.open_reader(args.a), _storage.open_reader(args.b)
+    ra, rb = _open(args.a), _open(args.b)
     ka, kb = set(_key_list(ra)), set(_key_list(rb))
-    lines: list[str] = []
-    rows: list[tuple[str, str, str]] = []
-    for key in sorted(ka - kb):
-        lines.append(f"only in A: {key}  {' '.join(map(str, _describe(ra, key)[:2]))}")
-    for key in sorted(kb - ka):
-        lines.append(f"only in B: {key}  {' '.join(map(str, _describe(rb, key)[:2]))}")
-    differ = bool(lines)
+    report: dict[str, Any] = {"a": args.a, "b": args.b, "atol": args.atol}
+    spec = lambda r, k: {"key": k, "dtype": _describe(r, k)[0], "shape": list(r.shape(k))}
+    report["only_in_a"] = [spec(ra, k) for k in sorted(ka - kb)]
+    report["only_in_b"] = [spec(rb, k) for k in sorted(kb - ka)]
     ga, gb = _graph(ra), _graph(rb)
-    if (ga is None) != (gb is None):
-        lines.append(f"object graph: only in {'A' if gb is None else 'B'}")
-        differ = True
-    elif ga is not None and ga != gb:
-        lines.append("object graph: differs")
-        differ = True
+    report["object_graph"] = ("only in A" if gb is None else "only in B") if (ga is None) != (gb is None) else (
+        "differs" if ga != gb else "same" if ga is not None else "none")
+    report["dtype_or_shape_differs"], report["values"] = [], []
     for key in sorted(ka & kb):
-        (da, sa, _), (db, sb, _) = _describe(ra, key), _describe(rb, key)
-        if (da, sa) != (db, sb):
-            lines.append(f"differs: {key}: A {da} {sa}, B {db} {sb}")
-            differ = True
+        a, b = spec(ra, key), spec(rb, key)
+        if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
+            report["dtype_or_shape_differs"].append({"key": key, "a": a, "b": b})
             continue
         d = _max_abs_diff(np.asarray(ra.get(key)), np.asarray(rb.get(key)))
-        if not d <= args.atol:  # NaN and inf count as different
-            differ = True
-        rows.append((key, f"{d:.6g}", "match" if d <= args.atol else "DIFFERS"))
+        report["values"].append({"key": key, "max_abs_diff": d, "match": d <= args.atol})  # NaN: never a match
+    differ = bool(report["only_in_a"] or report["only_in_b"] or report["dtype_or_shape_differs"]
+                  or report["object_graph"] in ("only in A", "only in B", "differs")
+                  or not all(v["match"] for v in report["values"]))
+    report["shared_keys"], report["match"] = len(ka & kb), not differ
+    if args.only_diff:
+        report["values"] = [v for v in report["values"] if not v["match"]]
+    if args.json:
+        for v in report["values"]:
+            v["max_abs_diff"] = _number(v["max_abs_diff"])
+        _print_json(report)
+        return 1 if differ else 0
+    lines = [f"only in A: {x['key']}  {x['dtype']} {tuple(x['shape'])}" for x in report["only_in_a"]]
+    lines += [f"only in B: {x['key']}  {x['dtype']} {tuple(x['shape'])}" for x in report["only_in_b"]]
+    if report["object_graph"] in ("only in A", "only in B", "differs"):
+        lines.append(f"object graph: {report['object_graph']}")
+    lines += [f"differs: {x['key']}: A {x['a']['dtype']} {tuple(x['a']['shape'])}, B {x['b']['dtype']} "
+              f"{tuple(x['b']['shape'])}" for x in report["dtype_or_shape_differs"]]
+    rows = [(v["key"], f"{v['max_abs_diff']:.6g}", "match" if v["match"] else "DIFFERS") for v in report["values"]]
     verdict = f"{'differ' if differ else 'match'} ({len(ka & kb)} shared keys, atol={args.atol:g})"
     if _is_terminal():
         from rich.table import Table
@@ -341,40 +567,55 @@ def _diff(args) -> int:
 
         console = _console()
         for line in lines:
-            console.print(line, markup=False)
-        t = Table(title="shared keys", caption=verdict)
+            console.print(_safe(line), markup=False)
+        t = Table(title="shared keys" + (" that differ" if args.only_diff else ""), caption=verdict)
         for col in ("key", "max |A - B|", ""):
             t.add_column(col)
         for row in rows:
-            t.add_row(Text(row[0]), *row[1:])
+            t.add_row(Text(_safe(row[0])), *row[1:])
         console.print(t)
     else:
         for line in lines:
-            print(line)
-        width = max((len(r[0]) for r in rows), default=3)
+            _print(line)
+        width = max((len(_safe(r[0])) for r in rows), default=3)
         for key, d, word in rows:
-            print(f"{key:<{width}}  max|A-B|={d:<10} {word}")
-        print(verdict)
+            _print(f"{_safe(key):<{width}}  max|A-B|={d:<10} {word}")
+        _print(verdict)
     return 1 if differ else 0
 
 
 # --- entry point ----------------------------------------------------------------
+def _version() -> str:
+    from importlib import metadata  # not jax: `--version` stays instant
+
+    try:
+        return metadata.version("varstate")
+    except metadata.PackageNotFoundError:
+        return "unknown (varstate is not installed; running from a source tree)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=_PROG, description="Inspect, convert and compare TF and orbax checkpoints.")
+    p = argparse.ArgumentParser(prog=_PROG, description="Inspect, convert and compare TF and orbax checkpoints, "
+                                                        "and inspect exports.")
+    p.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    i = sub.add_parser("inspect", help="the object graph (or name list) with shapes, dtypes and sizes")
-    i.add_argument("path", help="a checkpoint directory, prefix, or `checkpoint` state file")
+    i = sub.add_parser("inspect", help="the object graph (or name list) with shapes, dtypes and sizes; for an "
+                                       "export, also each signature's inputs, outputs and platforms")
+    i.add_argument("path", help="a checkpoint directory, prefix, or `checkpoint` state file, or an export directory")
     i.add_argument("--key", help="print one value's summary (min/max/mean, first values)")
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.set_defaults(run=_inspect)
     c = sub.add_parser("convert", help="write a checkpoint in another format and verify it")
-    c.add_argument("src")
+    c.add_argument("src", help="a checkpoint, or an export directory (its variables)")
     c.add_argument("dst", help="a TF prefix for --to tf, a directory for --to orbax")
     c.add_argument("--to", required=True, choices=("orbax", "tf"))
     c.set_defaults(run=_convert)
     d = sub.add_parser("diff", help="keys, shapes, dtypes and values of two checkpoints (exit 0: match, 1: differ)")
-    d.add_argument("a")
+    d.add_argument("a", help="a checkpoint, or an export directory (its variables)")
     d.add_argument("b")
     d.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still a match (default 0)")
+    d.add_argument("--only-diff", action="store_true", help="list only the shared keys whose values differ")
+    d.add_argument("--json", action="store_true", help="print JSON instead of text")
     d.set_defaults(run=_diff)
     return p
 
@@ -388,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     try:
         args = _parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed usage and the error
+    except SystemExit as e:  # argparse has printed usage and the error, or --help / --version
         return int(e.code or 0)
     try:
         return args.run(args)
@@ -398,8 +639,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{_PROG}: interrupted", file=sys.stderr)
         return 130
-    except (_UsageError, OSError, ValueError, TypeError, KeyError, NotImplementedError) as e:
+    except RecursionError:  # a library walking a file's nesting recursively (the CLI's own walks do not)
+        where = next(getattr(args, name) for name in ("path", "src", "a") if hasattr(args, name))
+        print(f"{_PROG}: error: {_safe(where)}: its object graph nests too deeply for this command", file=sys.stderr)
+        return 2
+    except (_UsageError, OSError, ValueError, TypeError, KeyError, NotImplementedError, RuntimeError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         text = " ".join(str(message).split())
-        print(f"{_PROG}: error: {text}", file=sys.stderr)
+        print(f"{_PROG}: error: {_safe(text)}", file=sys.stderr)
         return 2

@@ -11,11 +11,13 @@ class DataLossError(OSError):
 
 
 class CheckpointFormatError(DataLossError, ValueError):
-    """A TF checkpoint file is corrupt, truncated, or uses a feature this reader does not support.
+    """A checkpoint file is corrupt, truncated, not a plain file, or uses a feature this reader does not support.
 
-    The message names the file and, where known, the key. It is a
-    `DataLossError`, and a ValueError as the TF file readers raise for bad
-    input.
+    Raised for TF files, and for files of either format that are not regular
+    files (a FIFO, a device), that link out of the checkpoint's directory, or
+    that exceed a reader's size bound. The message names the file and, where
+    known, the key. It is a `DataLossError`, and a ValueError as the TF file
+    readers raise for bad input.
 
     >>> import checkpoint
     >>> issubclass(checkpoint.CheckpointFormatError, (checkpoint.DataLossError, ValueError))

@@ -17,7 +17,10 @@ per dimension.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import numpy as np
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the serialized TrackableObjectGraph
 ATTRIBUTES = ".ATTRIBUTES"
@@ -62,48 +65,97 @@ def slice_index(offset: Sequence[int], extent: Sequence[int]) -> tuple[slice, ..
     return tuple(slice(o, o + n) for o, n in zip(offset, extent, strict=True))
 
 
+_CORNER_BUDGET = 1 << 21  # corners summed (2**split dimensions per slice) before the grid is painted instead
+_CELL_BUDGET = 1 << 24  # cells of the grid of slice boundaries painted at most (a bool each)
+
+
 def covers_exactly(shape: Sequence[int], boxes: Sequence[Sequence[tuple[int, int]]]) -> bool:
     """True if the slices `boxes` ((offset, extent) per dimension) tile `shape`: disjoint, every element once.
 
-    Disjoint boxes whose volumes add up to the whole leave no element unset.
-    Overlaps are found by a sweep along the most-split dimension, so slices
-    along one axis (the partitioned-variable case) cost O(n log n).
+    Slices come from files, so the work is bounded for any input. Give each
+    box the signed corners of its indicator function (per dimension +1 at its
+    start and -1 at its end, multiplied): summing indicators sums corners, and
+    indicators add up to the shape's exactly when the corners do. That is
+    2**d corners a slice, d the dimensions some slice splits (1 for a
+    partitioned variable), whatever the layout. Where that is too many, the
+    grid of distinct slice boundaries is painted; ValueError if that grid is
+    too large as well (no partitioner splits so finely; checking would take
+    minutes).
+
+    >>> covers_exactly((4, 2), [[(0, 3), (0, 2)], [(3, 1), (0, 2)]]), covers_exactly((4,), [[(0, 3)], [(2, 2)]])
+    (True, False)
     """
-    total = 1
-    for d in shape:
-        total *= d
-    volume = 0
-    for b in boxes:
+    shape = tuple(shape)
+    kept, volume = [], 0
+    for box in boxes:
+        if len(box) != len(shape):
+            return False
         v = 1
-        for _, n in b:
-            v *= n
-        volume += v
-    if volume != total:
-        return False
-    if len(boxes) < 2 or not shape:
-        return True
-    axis = max(range(len(shape)), key=lambda a: len({b[a][0] for b in boxes}))
-    active: list[Sequence[tuple[int, int]]] = []  # boxes whose extent along `axis` reaches the sweep position
-    for box in sorted(boxes, key=lambda b: b[axis][0]):
-        start = box[axis][0]
-        active = [a for a in active if a[axis][0] + a[axis][1] > start]
-        for other in active:
-            if all(p < q + m and q < p + n for (p, n), (q, m) in zip(box, other, strict=True)):
+        for (o, n), d in zip(box, shape, strict=True):
+            if o < 0 or n < 0 or o + n > d:
                 return False
-        active.append(box)
-    return True
+            v *= n
+        if v:  # an empty slice covers nothing and overlaps nothing
+            kept.append(box)
+            volume += v
+    if volume != math.prod(shape):
+        return False
+    split = [a for a, d in enumerate(shape) if any(box[a][0] or box[a][1] != d for box in kept)]
+    if not split:
+        return len(kept) <= 1  # each one is the whole shape
+    cut = [[box[a] for a in split] for box in kept]
+    if len(kept) << len(split) <= _CORNER_BUDGET:
+        return _corners_cancel([[(0, shape[a]) for a in split]], cut)
+    return _paint([shape[a] for a in split], cut)
+
+
+def _corners_cancel(whole: list, boxes: list) -> bool:
+    total: dict[tuple[int, ...], int] = {}
+    for sign, group in ((-1, whole), (1, boxes)):
+        for box in group:
+            corners: list[tuple[tuple[int, ...], int]] = [((), sign)]
+            for o, n in box:
+                corners = [((*c, o), s) for c, s in corners] + [((*c, o + n), -s) for c, s in corners]
+            for c, s in corners:
+                total[c] = total.get(c, 0) + s
+    return not any(total.values())
+
+
+def _paint(shape: list[int], boxes: list) -> bool:
+    bounds = [sorted({0, d, *(b[a][0] for b in boxes), *(b[a][0] + b[a][1] for b in boxes)})
+              for a, d in enumerate(shape)]
+    cells = math.prod(len(b) - 1 for b in bounds)
+    if cells > _CELL_BUDGET:
+        raise ValueError(
+            f"{len(boxes)} slices cut {len(shape)} dimensions into {cells} pieces, more than the {_CELL_BUDGET} "
+            "this reader checks: too fragmented for a partitioned variable"
+        )
+    at = [{x: i for i, x in enumerate(b)} for b in bounds]
+    grid = np.zeros([len(b) - 1 for b in bounds], bool)
+    for box in boxes:
+        region = grid[tuple(slice(w[o], w[o + n]) for (o, n), w in zip(box, at, strict=True))]
+        if region.any():
+            return False
+        region[...] = True  # a view: costs the cells painted, at most the grid once over
+    return True  # disjoint, inside, and their volumes add up to the shape's
 
 
 def parse_slice_spec(key: str, spec: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(full shape, offset, extent) of TF's slice string (``"10 4 0,4:0,4"``); ValueError naming `key`."""
     try:
         *dims, parts = spec.split(" ")
-        full_shape = tuple(int(d) for d in dims)
-        pairs = [p.split(",") for p in parts.split(":")]
-        offset = tuple(int(s) for s, _ in pairs)
-        extent = tuple(int(n) for _, n in pairs)
+        full_shape = tuple(map(int, dims))
+        offset, extent = [], []
+        for pair in parts.split(":"):
+            start, length = pair.split(",")
+            offset.append(int(start))
+            extent.append(int(length))
     except ValueError:
-        raise ValueError(f"Invalid slice spec {spec!r} for {key!r}: expected e.g. '10 4 0,4:0,4'.") from None
+        raise ValueError(f"Invalid slice spec {_cut(spec)} for {key!r}: expected e.g. '10 4 0,4:0,4'.") from None
     if len(offset) != len(full_shape):
-        raise ValueError(f"Invalid slice spec {spec!r} for {key!r}: rank mismatch.")
-    return full_shape, offset, extent
+        raise ValueError(f"Invalid slice spec {_cut(spec)} for {key!r}: rank mismatch.")
+    return full_shape, tuple(offset), tuple(extent)
+
+
+def _cut(spec: str) -> str:
+    return repr(spec) if len(spec) <= 100 else f"{spec[:100]!r}... ({len(spec)} characters)"  # specs come from files

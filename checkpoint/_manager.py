@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import atexit
+import json
+import math
+import operator
 import os
 import re
-import shutil
+import secrets
+import sys
 import threading
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from checkpoint import _storage
+import numpy as np
+
+from checkpoint import _publish, _storage
 from checkpoint._checkpoint import Checkpoint
+from checkpoint._errors import CheckpointFormatError
+from checkpoint._publish import MANAGER_FILE
 from checkpoint._status import LoadStatus
-from checkpoint._storage import STATE_FILE, _orbax, read_checkpoint_state, record_latest
+from checkpoint._storage import read_checkpoint_state, record_latest
+from checkpoint._storage._files import sync_directory, sync_file
 
-
-def _exists(path: str) -> bool:
-    return _storage.is_orbax(path) or os.path.isfile(path + ".index")
+_JOURNAL_FORMAT = "varstate-checkpoint-manager"
+_JOURNAL_LIMIT = 64 << 20  # bytes; metrics of 100,000 checkpoints are a few MB
 
 
 def latest_checkpoint(directory: str) -> str | None:
@@ -29,30 +40,235 @@ def latest_checkpoint(directory: str) -> str | None:
     'ckpt-2'
     """
     path = _storage.latest_in(os.path.abspath(os.fspath(directory)))
-    return path if path is not None and _exists(path) else None
+    if path is None:
+        return None
+    path = _publish.resolved(path)  # the state file may name a swap's stand-in; its path is as good once complete
+    return path if _publish.exists(path) else None
 
 
+class StepAlreadyExistsError(ValueError):
+    """`CheckpointManager.save` of a step that is already saved, without ``overwrite=True``.
+
+    The message names the step and its path. Nothing was written.
+
+    >>> import tempfile, jax.numpy as jnp, checkpoint
+    >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp())
+    >>> _ = mgr.save(1, w=jnp.zeros(2))
+    >>> try:
+    ...     mgr.save(1, w=jnp.ones(2))
+    ... except ValueError as e:
+    ...     print(type(e).__name__)
+    StepAlreadyExistsError
+    >>> _ = mgr.save(1, overwrite=True, w=jnp.ones(2))
+    """
+
+
+# ---------------------------------------------------------------------------
+# asynchronous saves still running when the program ends
+# ---------------------------------------------------------------------------
+_WATCHED: set[CheckpointManager] = set()
+_WATCH_LOCK = threading.Lock()
+_hooked = False
+
+
+def _watch(manager: CheckpointManager) -> None:
+    global _hooked
+    with _WATCH_LOCK:
+        _WATCHED.add(manager)
+        if _hooked:
+            return
+        _hooked = True
+    # At the end of the program Python first runs threading's exit hooks, in reverse order, then joins
+    # the threads. concurrent.futures' hook (registered when it was imported) refuses new work from
+    # then on, and orbax's commit needs its executors: so ours must be registered after it to run
+    # before it. atexit would be too late; it only runs after the threads are joined.
+    import concurrent.futures.thread  # noqa: F401
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(_commit_at_exit)
+    except RuntimeError:
+        atexit.register(_commit_at_exit)
+
+
+def _commit_at_exit() -> None:
+    """Waits for every pending asynchronous save; if one fails, says which and ends the process with status 1."""
+    failures = []
+    for manager in list(_WATCHED):
+        path = manager._pending_path
+        try:
+            manager.wait_until_finished()
+        except BaseException as e:
+            failures.append(f"{path}: {type(e).__name__}: {e}")
+    if failures:
+        print(
+            "checkpoint: an asynchronous save still running when the program ended failed and was not "
+            f"committed: {'; '.join(failures)}. The previous checkpoint is still the latest.",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # the exit status is fixed before the exit hooks run: this is the only way to change it
+
+
+# ---------------------------------------------------------------------------
+# metrics, beside the state file
+# ---------------------------------------------------------------------------
+def _checked_metrics(metrics: Any) -> dict[str, Any] | None:
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise ValueError(
+            f"CheckpointManager.save: metrics must be a dict of str to numbers, got {type(metrics).__name__}. "
+            "The keyword 'metrics' is reserved for them: save a root of that name under another name."
+        )
+    out = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise ValueError(f"CheckpointManager.save: metric names must be str, got {name!r}.")
+        arr = np.asarray(value)
+        if arr.shape != () or arr.dtype.kind not in "biuf":
+            raise ValueError(
+                f"CheckpointManager.save: metrics[{name!r}] must be a real number, got {value!r}; pass a scalar "
+                "(e.g. float(loss))."
+            )
+        out[name] = arr.item()
+    return out
+
+
+def _numbers(m: Any) -> bool:
+    return isinstance(m, dict) and all(isinstance(k, str) and type(v) in (int, float, bool) for k, v in m.items())
+
+
+class _Journal:
+    """``checkpoint_manager.json`` beside the state file: metrics of kept checkpoints, and saves in flight.
+
+    ``{"metrics": {name: {metric: number}}, "saving": {name: {"since": time,
+    "metrics": ... or null, "replaces": bool}}}``, by checkpoint name. A save
+    is entered under "saving" before its checkpoint is moved into place and
+    leaves it once recorded; a name still there afterwards is a save that was
+    killed: its checkpoint, if listed in the state file, committed (with
+    those metrics), else it is an orphan that the next save deletes (unless
+    it replaced a checkpoint that was there unlisted). The file exists only
+    while it holds something.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, MANAGER_FILE)
+        self.metrics: dict[str, dict[str, Any]] = {}
+        self.saving: dict[str, dict[str, Any]] = {}
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read(_JOURNAL_LIMIT + 1)
+        except FileNotFoundError:
+            return
+        try:
+            if len(text) > _JOURNAL_LIMIT:
+                raise ValueError(f"larger than {_JOURNAL_LIMIT} bytes")
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("format") != _JOURNAL_FORMAT:
+                raise ValueError(f"expected an object with format {_JOURNAL_FORMAT!r}")
+            if type(data.get("version")) is not int or data["version"] > 1:
+                raise ValueError(f"version {data.get('version')!r}; this reader knows version 1")
+            metrics, saving = data.get("metrics", {}), data.get("saving", {})
+            if not isinstance(metrics, dict) or not isinstance(saving, dict):
+                raise ValueError("its 'metrics' or 'saving' is not an object")
+            for name, m in metrics.items():
+                if not _numbers(m):
+                    raise ValueError(f"the metrics of {name!r} are not an object of numbers")
+            for name, entry in saving.items():
+                if not isinstance(entry, dict) or type(entry.get("since")) not in (int, float) or not (
+                        entry.get("metrics") is None or _numbers(entry["metrics"])) or type(
+                        entry.get("replaces", False)) is not bool:
+                    raise ValueError(f"the save in flight {name!r} is not {{'since': time, 'metrics': ..., "
+                                     "'replaces': bool}")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointFormatError(
+                f"{self.path}: not a CheckpointManager file ({e}). Delete it to forget the metrics; the "
+                "checkpoints themselves are unaffected."
+            ) from None
+        self.metrics, self.saving = metrics, saving
+
+    def store(self) -> None:
+        directory = os.path.dirname(self.path)
+        if not self.metrics and not self.saving:
+            if os.path.exists(self.path):
+                os.remove(self.path)
+                sync_directory(directory)
+            return
+        data = {"format": _JOURNAL_FORMAT, "version": 1, "metrics": self.metrics, "saving": self.saving}
+        # Written beside and renamed over, as the state file: a reader sees the old file or the new one.
+        temp = os.path.join(directory, f".{MANAGER_FILE}.tmp-{secrets.token_hex(8)}")
+        try:
+            with open(temp, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+                sync_file(f)
+            os.replace(temp, self.path)
+            sync_directory(directory)
+        finally:
+            if os.path.exists(temp):
+                os.remove(temp)
+
+
+def _as_step(step: Any, where: str) -> int:
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise ValueError(f"{where}: step must be an int, got {step!r}.") from None
+    if step < 0:
+        raise ValueError(f"{where}: step must be >= 0, got {step}.")
+    return step
+
+
+# ---------------------------------------------------------------------------
+# the manager
+# ---------------------------------------------------------------------------
 class CheckpointManager:
-    """Numbered checkpoints ``<directory>/ckpt-<step>``: keeps the newest, deletes old ones, saves atomically.
+    """Numbered checkpoints ``<directory>/ckpt-<step>``: keeps the newest (or the best), deletes the others.
 
     `save(step, **roots)` writes the roots (as `Checkpoint(**roots)` would,
     with ``save_counter`` = step) and records them in TF's ``checkpoint``
     state file once committed. With ``async_save=True`` it returns as soon
     as the values are copied off the arrays (later updates, even donated
     ones, do not change what is saved); `wait_until_finished()` waits for the
-    commit. Leftovers of a save that crashed are removed by the first `save`;
-    a manager that only restores (an evaluator beside the trainer) deletes
-    nothing, so it never breaks a save in progress. One process saves to a
-    directory at a time, as with TF's and orbax's managers.
+    commit, and so does the end of the program: a pending save is committed
+    before the interpreter exits, or the process exits with status 1 and a
+    message naming the checkpoint. Used as a context manager, the manager
+    waits for its pending save and closes on leaving the block.
+
+    Guarantees: at every instant (a SIGKILL included) the latest checkpoint
+    in the state file is complete. Saving a step that exists raises
+    `StepAlreadyExistsError` unless ``overwrite=True``; an overwrite writes
+    the new checkpoint completely before the old one goes. Temporaries of
+    saves that died are removed by the next save in the directory (by any
+    manager or `Checkpoint`), never those of a save still running; a manager
+    that only restores (an evaluator beside the trainer) deletes nothing. One
+    manager saves to a directory at a time, as with TF's and orbax's.
+
+    Which checkpoints are kept: ``max_to_keep`` (None: all) most recent ones;
+    with ``best_fn`` (metrics -> number) the ``max_to_keep`` best by
+    ``best_fn(metrics)`` (``best_mode`` "max" or "min") plus the latest,
+    which is always kept, being what training resumes from. A checkpoint
+    saved without metrics, or whose metrics lack a key ``best_fn`` reads
+    (KeyError), or for which it returns None or NaN, ranks below every
+    checkpoint with a score; ties go to the more recent. The metrics are kept
+    in ``checkpoint_manager.json`` beside the state file (written atomically;
+    it exists while a save is in flight or a kept checkpoint has metrics), so
+    a reopened manager ranks the same way. ``keep_every_n_steps`` preserves,
+    as TF's, a checkpoint leaving the kept list whose step is a multiple of
+    it: it is no longer managed and never deleted. ``format="tf"`` writes TF
+    TensorBundles (``ckpt-N.index`` + data) that TensorFlow restores.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
-    >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
     >>> w = varstate.Variable(jnp.zeros(2))
-    >>> for step in range(1, 4):
-    ...     w = w.assign_add(jnp.ones(2))
-    ...     _ = mgr.save(step, model={"w": w})
-    >>> [os.path.basename(p) for p in mgr.checkpoints]
-    ['ckpt-2', 'ckpt-3']
+    >>> with checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as mgr:
+    ...     for step in range(1, 4):
+    ...         w = w.assign_add(jnp.ones(2))
+    ...         _ = mgr.save(step, model={"w": w})
+    >>> [os.path.basename(p) for p in mgr.checkpoints], mgr.latest_step()
+    (['ckpt-2', 'ckpt-3'], 3)
     >>> mgr.restore(model={"w": varstate.Variable(jnp.zeros(2))}).model["w"].value.tolist()
     [3.0, 3.0]
     """
@@ -64,130 +280,370 @@ class CheckpointManager:
         keep_every_n_steps: int | None = None,
         async_save: bool = False,
         checkpoint_name: str = "ckpt",
+        *,
+        save_interval_steps: int = 1,
+        best_fn: Callable[[dict[str, Any]], Any] | None = None,
+        best_mode: str = "max",
+        format: str = "orbax",
     ) -> None:
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"CheckpointManager: max_to_keep must be a positive int or None, got {max_to_keep!r}.")
-        if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
+        for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"CheckpointManager: {name} must be a positive int or None, got {value!r}.")
+        if type(save_interval_steps) is not int or save_interval_steps < 1:
             raise ValueError(
-                f"CheckpointManager: keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}."
+                f"CheckpointManager: save_interval_steps must be a positive int, got {save_interval_steps!r}."
             )
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", checkpoint_name):
             raise ValueError(f"CheckpointManager: invalid checkpoint_name {checkpoint_name!r}.")
+        if best_fn is not None and not callable(best_fn):
+            raise ValueError(f"CheckpointManager: best_fn must be callable (metrics -> number), got {best_fn!r}.")
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"CheckpointManager: best_mode must be 'max' or 'min', got {best_mode!r}.")
+        if format not in ("orbax", "tf"):
+            raise ValueError(f"CheckpointManager: unknown format {format!r}; expected 'orbax' or 'tf'.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
+        self.save_interval_steps = save_interval_steps
+        self.format = format
         self._name = checkpoint_name
+        self._best_fn, self._best_mode = best_fn, best_mode
+        self._step_pattern = re.compile(re.escape(checkpoint_name) + r"-(\d+)(\.varstate-standin-[0-9a-f]{16})?")
         os.makedirs(self.directory, exist_ok=True)
-        self._cleaned = False
         state = read_checkpoint_state(self.directory)
         listed = state.all_model_checkpoint_paths if state is not None else []
         # In the state file's order, oldest saved first (not by step number), as TF's manager recovers it.
-        steps = [s for s in (self._step_of(p) for p in listed) if s is not None and _exists(self._path(s))]
+        # A stand-in (a save killed while replacing a checkpoint) stands for its step until a save resolves it.
+        self._standins: dict[int, str] = {}
+        steps = []
+        for p in listed:
+            m = self._step_pattern.fullmatch(os.path.basename(p))
+            if not m:
+                continue
+            step = int(m.group(1))
+            if m.group(2):
+                self._standins[step] = os.path.join(self.directory, os.path.basename(p))
+            if _publish.exists(self._locate(step)):
+                steps.append(step)
         self._steps = list(dict.fromkeys(reversed(steps)))[::-1]  # a step listed twice: its last place
-        self._checkpointer: Any = _orbax.checkpointer(async_save)
+        self._journal = _Journal(self.directory)
+        for name, entry in list(self._journal.saving.items()):
+            step = self._plain_step(name)
+            if step is not None and step in self._steps:  # killed after it was recorded: it committed
+                if entry["metrics"] is None:
+                    self._journal.metrics.pop(name, None)
+                else:
+                    self._journal.metrics[name] = entry["metrics"]
+        self._scores = {s: self._score(self._metrics_of(s), self._path(s)) for s in self._steps}
         self._async = async_save
+        self._checkpointer: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pending_path: str | None = None
+        self._pending_step: int | None = None
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, f"{self._name}-{step}")
 
-    def _step_of(self, path: str) -> int | None:
-        m = re.fullmatch(re.escape(self._name) + r"-(\d+)", os.path.basename(path))
-        return int(m.group(1)) if m else None
+    def _plain_step(self, name: str) -> int | None:
+        m = self._step_pattern.fullmatch(name)
+        return int(m.group(1)) if m and not m.group(2) else None
 
+    def _metrics_of(self, step: int) -> dict[str, Any] | None:
+        return self._journal.metrics.get(os.path.basename(self._path(step)))
+
+    def _locate(self, step: int) -> str:
+        path, stand_in = self._path(step), self._standins.get(step)
+        if stand_in is not None and not _publish.exists(path) and _publish.exists(stand_in):
+            return stand_in
+        return path
+
+    def _score(self, metrics: dict[str, Any] | None, where: str) -> float | None:
+        if self._best_fn is None or metrics is None:
+            return None
+        try:
+            value = self._best_fn(dict(metrics))
+        except KeyError:  # the metric best_fn reads is missing: ranked as a checkpoint without metrics
+            return None
+        if value is None:
+            return None
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"CheckpointManager: best_fn returned {value!r} for the metrics {metrics} of {where}; it must "
+                "return a number (or None for no score)."
+            ) from None
+        return None if math.isnan(value) else value
+
+    # --- what is saved --------------------------------------------------------
     @property
     def checkpoints(self) -> list[str]:
-        """Paths of the kept checkpoints, oldest first."""
-        return [self._path(s) for s in self._steps]
+        """Paths of the kept checkpoints, oldest saved first."""
+        return [self._locate(s) for s in self._steps]
 
     @property
     def latest_checkpoint(self) -> str | None:
         """The newest committed checkpoint, or None."""
-        return self._path(self._steps[-1]) if self._steps else None
+        return self._locate(self._steps[-1]) if self._steps else None
 
-    def save(self, step: int, /, **roots: Any) -> str:
-        """Writes ``ckpt-<step>``; returns its path (committed unless ``async_save``)."""
-        step = int(step)
-        if step < 0:
-            raise ValueError(f"CheckpointManager.save: step must be >= 0, got {step}.")
+    def latest_step(self) -> int | None:
+        """The step of the most recent save (by time, not the largest step); None before the first.
+
+        An asynchronous save counts from `save` on; `latest_checkpoint` names
+        the newest one committed.
+
+        >>> import tempfile, jax.numpy as jnp, checkpoint
+        >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp())
+        >>> mgr.latest_step() is None
+        True
+        >>> _ = mgr.save(20, w=jnp.zeros(2)); _ = mgr.save(10, w=jnp.zeros(2))
+        >>> mgr.latest_step()
+        10
+        """
+        if self._pending_step is not None:
+            return self._pending_step
+        return self._steps[-1] if self._steps else None
+
+    def all_steps(self) -> list[int]:
+        """The steps of the kept checkpoints, ascending (an asynchronous save counts from `save` on).
+
+        >>> import tempfile, jax.numpy as jnp, checkpoint
+        >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
+        >>> for step in (30, 10, 20):
+        ...     _ = mgr.save(step, w=jnp.zeros(2))
+        >>> mgr.all_steps()
+        [10, 20]
+        """
+        steps = set(self._steps)
+        if self._pending_step is not None:
+            steps.add(self._pending_step)
+        return sorted(steps)
+
+    def should_save(self, step: int) -> bool:
+        """True if `step` is a multiple of ``save_interval_steps`` and not saved yet.
+
+        `save` does not ask it: call it in the training loop.
+
+        >>> import tempfile, jax.numpy as jnp, checkpoint
+        >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), save_interval_steps=100)
+        >>> [s for s in (50, 100, 150, 200) if mgr.should_save(s)]
+        [100, 200]
+        >>> _ = mgr.save(100, w=jnp.zeros(2))
+        >>> mgr.should_save(100)
+        False
+        """
+        step = _as_step(step, "CheckpointManager.should_save")
+        return (
+            step % self.save_interval_steps == 0
+            and step not in self.all_steps()
+            and not _publish.exists(self._path(step))
+        )
+
+    # --- saving ---------------------------------------------------------------
+    def save(
+        self, step: int, /, *, overwrite: bool = False, metrics: Mapping[str, Any] | None = None, **roots: Any
+    ) -> str:
+        """Writes ``ckpt-<step>``; returns its path (committed unless ``async_save``).
+
+        A step already saved raises `StepAlreadyExistsError` unless
+        ``overwrite=True``; then the previous checkpoint of that step stays
+        readable (and the latest) until the new one is complete. `metrics`
+        ({name: number}) are what ``best_fn`` ranks. ``overwrite`` and
+        ``metrics`` are keywords of `save`, so they cannot name roots.
+
+        >>> import tempfile, jax.numpy as jnp, checkpoint
+        >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2, best_fn=lambda m: m["acc"])
+        >>> for step, acc in ((1, 0.5), (2, 0.9), (3, 0.7), (4, 0.6)):
+        ...     _ = mgr.save(step, metrics={"acc": acc}, w=jnp.full(2, step))
+        >>> mgr.all_steps()  # the two best, and the latest
+        [2, 3, 4]
+        """
+        step = _as_step(step, "CheckpointManager.save")
         self.wait_until_finished()
-        if not self._cleaned:
-            self._remove_leftovers()
+        path = self._path(step)
+        metrics = _checked_metrics(metrics)
+        score = self._score(metrics, path)
+        _publish.check_replaceable(path, self.format, "CheckpointManager.save")
         ckpt = Checkpoint(**roots)
         ckpt.save_counter, ckpt._counter_tracked = step, True
-        path = self._path(step)
-        if step in self._steps:
-            # Saved again: unlist it first, so a crash while it is rewritten leaves the previous one as latest.
-            self._steps.remove(step)
-            if self._steps:
-                record_latest(self.directory, self._path(self._steps[-1]), self.checkpoints)
-            else:
-                os.remove(os.path.join(self.directory, STATE_FILE))
-        ckpt.write(path, _checkpointer=self._checkpointer)
-        if self._async:
-            self._thread = threading.Thread(target=self._finish, args=(step,), name="checkpoint-commit")
-            self._thread.start()
-        else:
-            self._commit(step)
+        lock = _publish.begin(self.directory, self._remove_unrecorded)
+        temp = _publish.temporary(path, "new")
+        try:
+            if not overwrite and (step in self._steps or _publish.exists(path)):
+                raise StepAlreadyExistsError(
+                    f"CheckpointManager.save: step {step} is already saved ({path}). Pass overwrite=True to "
+                    "replace it (the old checkpoint stays the latest until the new one is complete), or save "
+                    "another step."
+                )
+            checkpointer = self._orbax_checkpointer() if self.format == "orbax" else None
+            finish = ckpt._start_write(temp, self.format, checkpointer, background=self._async)
+        except BaseException:
+            try:
+                _publish.remove(temp)
+            finally:
+                lock.release()
+            raise
+        job = (step, temp, path, finish, metrics, score, lock)
+        if not self._async:
+            self._complete(*job)
+            return path
+        self._pending_step, self._pending_path = step, path
+        _watch(self)
+        self._thread = threading.Thread(target=self._finish, args=job, name="checkpoint-commit")
+        self._thread.start()
         return path
 
-    def _remove_leftovers(self) -> None:
-        # Done by the first save, not on construction: a manager that only restores (an evaluator
-        # beside the trainer) must never delete a save that is still being written.
-        for entry in os.listdir(self.directory):
-            target = os.path.join(self.directory, entry)
-            if entry.startswith(f".{STATE_FILE}.tmp-"):
-                os.remove(target)
-            elif os.path.isdir(target) and _orbax.is_temporary(target):
-                shutil.rmtree(target, ignore_errors=True)
-        self._cleaned = True
+    def _orbax_checkpointer(self) -> Any:
+        if self._checkpointer is None:
+            from checkpoint._storage import _orbax
 
-    def _finish(self, step: int) -> None:
+            self._checkpointer = _orbax.checkpointer(self._async)
+        return self._checkpointer
+
+    def _finish(self, *job: Any) -> None:
         try:
-            self._checkpointer.wait_until_finished()
-            self._commit(step)
-        except BaseException as e:  # reported by wait_until_finished in the caller's thread
+            self._complete(*job)
+        except BaseException as e:  # raised by wait_until_finished in the caller's thread
             self._error = e
+        finally:
+            self._pending_step = None
 
-    def _commit(self, step: int) -> None:
+    def _remove_unrecorded(self, older_than: float) -> None:
+        """Deletes the checkpoints of saves killed after moving them into place and before recording them."""
+        now, changed = time.time(), False
+        for name, entry in list(self._journal.saving.items()):
+            step = self._plain_step(name)
+            if step is None or now - entry["since"] < older_than:
+                continue
+            # Replacing a checkpoint the state file does not list (one kept for good by keep_every_n_steps,
+            # say), it left the checkpoint where it found one: unlisted, and as complete.
+            if step not in self._steps and not entry.get("replaces") and _publish.exists(self._path(step)):
+                _publish.retire(self._path(step))
+            del self._journal.saving[name]
+            changed = True
+        if changed:
+            self._journal.store()
+
+    def _complete(self, step, temp, path, finish, metrics, score, lock) -> None:
+        try:
+            try:
+                finish()
+                # Entered before the checkpoint is in place: if this save dies before recording it, the next
+                # save knows the checkpoint at `path` for an orphan (and this save's metrics, if it was recorded).
+                self._journal.saving[os.path.basename(path)] = {
+                    "since": time.time(), "metrics": metrics, "replaces": _publish.exists(path)}
+                self._journal.store()
+                _publish.publish(temp, path)
+            except BaseException:
+                _publish.remove(temp)
+                raise
+            self._commit(step, metrics, score)
+        finally:
+            lock.release()
+
+    def _commit(self, step: int, metrics: dict[str, Any] | None, score: float | None) -> None:
+        path = self._path(step)
+        name = os.path.basename(path)
+        self._standins.pop(step, None)
+        if metrics is None:
+            self._journal.metrics.pop(name, None)
+        else:
+            self._journal.metrics[name] = metrics
+        self._scores[step] = score
         steps = [s for s in self._steps if s != step] + [step]
-        removed: list[int] = []
-        if self.max_to_keep is not None:
-            while len(steps) > self.max_to_keep:
-                removed.append(steps.pop(0))
-        keep = [s for s in removed if self.keep_every_n_steps and s % self.keep_every_n_steps == 0]
-        record_latest(self.directory, self._path(step), [self._path(s) for s in steps], preserved=bool(keep))
-        self._steps = steps
+        removed = set(self._to_remove(steps))
+        preserved = {s for s in removed if self.keep_every_n_steps and s % self.keep_every_n_steps == 0}
+        doomed = [s for s in steps if s in removed - preserved]
+        # Those to delete stay listed until they are gone: a kill in between leaves them listed (the next
+        # commit deletes them), never unlisted and on disk for good.
+        listed = [s for s in steps if s not in preserved]
+        record_latest(self.directory, path, [self._locate(s) for s in listed], preserved=bool(preserved))
+        self._steps = listed
+        for s in doomed:
+            _publish.retire(self._locate(s))
+            self._standins.pop(s, None)
+        if doomed:
+            self._steps = [s for s in listed if s not in removed]
+            record_latest(self.directory, path, [self._locate(s) for s in self._steps])
         for s in removed:
-            if s in keep:
-                continue  # preserved for good: no longer managed, never deleted
-            path = self._path(s)
-            # The marker file goes first: a crash mid-delete leaves no readable half checkpoint.
-            meta = os.path.join(path, _orbax.META_FILE)
-            if os.path.isfile(meta):
-                os.remove(meta)
-            shutil.rmtree(path, ignore_errors=True)
+            self._journal.metrics.pop(os.path.basename(self._path(s)), None)
+            self._scores.pop(s, None)
+        self._journal.saving.pop(name, None)
+        self._journal.store()
+
+    def _to_remove(self, steps: list[int]) -> list[int]:
+        """The steps (in saving order, newest last) that `max_to_keep` and `best_fn` leave out."""
+        if self.max_to_keep is None or len(steps) <= self.max_to_keep:
+            return []
+        if self._best_fn is None:
+            return steps[: -self.max_to_keep]
+        recency = {s: i for i, s in enumerate(steps)}
+        sign = 1.0 if self._best_mode == "max" else -1.0
+
+        def rank(s: int) -> tuple:
+            score = self._scores.get(s)
+            return (score is not None, sign * score if score is not None else 0.0, recency[s])
+
+        best = set(sorted(steps, key=rank, reverse=True)[: self.max_to_keep])
+        return [s for s in steps[:-1] if s not in best]  # the latest stays: it is what training resumes from
 
     def wait_until_finished(self) -> None:
-        """Blocks until an asynchronous save is committed; raises its error if it failed."""
+        """Blocks until an asynchronous save is committed; raises its error if it failed.
+
+        >>> import tempfile, jax.numpy as jnp, checkpoint
+        >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), async_save=True)
+        >>> path = mgr.save(1, w=jnp.zeros(2))
+        >>> mgr.wait_until_finished()
+        >>> checkpoint.latest_checkpoint(mgr.directory) == path
+        True
+        >>> mgr.close()
+        """
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with _WATCH_LOCK:
+            _WATCHED.discard(self)
+        self._pending_path = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
-    def restore(self, step: int | None = None, /, **templates: Any) -> LoadStatus:
-        """Restores `templates` from ``ckpt-<step>`` (default: the latest); see `Checkpoint.restore`."""
+    # --- restoring and closing ---------------------------------------------------
+    def restore(self, step: int | None = None, /, *, strict: bool = False, **templates: Any) -> LoadStatus:
+        """Restores `templates` from ``ckpt-<step>`` (default: the latest); see `Checkpoint.restore`.
+
+        ``strict=True`` raises ValueError unless every value of the templates
+        and every value in the checkpoint matched.
+
+        >>> import tempfile, jax.numpy as jnp, checkpoint
+        >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp())
+        >>> _ = mgr.save(5, w=jnp.ones(2))
+        >>> mgr.restore(w=jnp.zeros(2), strict=True).w.tolist()
+        [1.0, 1.0]
+        """
         self.wait_until_finished()
-        path = self.latest_checkpoint if step is None else self._path(int(step))
-        if path is None:
-            raise FileNotFoundError(f"CheckpointManager: no checkpoint in {self.directory!r} yet.")
-        return Checkpoint(**templates).restore(path)
+        if step is None:
+            path = self.latest_checkpoint
+            if path is None:
+                raise FileNotFoundError(
+                    f"CheckpointManager: no checkpoint in {self.directory!r} yet; save one first, or restore "
+                    "from another directory."
+                )
+        else:
+            path = self._locate(_as_step(step, "CheckpointManager.restore"))
+        return Checkpoint(**templates).restore(path, strict=strict)
 
     def close(self) -> None:
-        """Waits for a pending save and releases orbax's threads."""
+        """Waits for a pending save and releases orbax's threads; a later `save` starts them again."""
         try:
             self.wait_until_finished()
         finally:
-            self._checkpointer.close()
+            if self._checkpointer is not None:
+                checkpointer, self._checkpointer = self._checkpointer, None
+                checkpointer.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -14,7 +14,8 @@ class LoadStatus:
     structure and resource ids, values from the checkpoint).
     ``status.restore(**more_roots)`` restores roots created later from the
     same checkpoint (e.g. an optimizer state made after the model was
-    restored); the assertions of every status of one restore see them all.
+    restored) and returns a status holding them and every root restored
+    before; the assertions of every status of one restore see them all.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> w = varstate.Variable(jnp.ones(3), name="w")
@@ -22,15 +23,19 @@ class LoadStatus:
     >>> status = checkpoint.Checkpoint(model={"w": varstate.Variable(jnp.zeros(3))}).restore(path)
     >>> status.assert_existing_objects_matched().model["w"].value.tolist()
     [1.0, 1.0, 1.0]
-    >>> int(status.restore(step=jnp.int32(0)).step)
-    7
+    >>> later = status.restore(step=jnp.int32(0))
+    >>> int(later.step), sorted(later.roots)
+    (7, ['model', 'step'])
     >>> status.assert_consumed() is status
     True
     """
 
-    def __init__(self, state: RestoreState, roots: dict[str, Any]) -> None:
+    def __init__(self, state: RestoreState, roots: dict[str, Any], _every: dict[str, Any] | None = None) -> None:
         self._state = state
         self._roots = roots
+        # Every root restored so far by any status of this restore, shared among them, so the status
+        # `restore` returns holds the earlier roots too (a later root of the same name replaces one).
+        self._every = _every if _every is not None else dict(roots)
 
     def __getattr__(self, name: str) -> Any:
         roots = self.__dict__.get("_roots", {})
@@ -45,8 +50,13 @@ class LoadStatus:
 
     # --- restoring ------------------------------------------------------------
     def restore(self, **roots: Any) -> LoadStatus:
-        """Restores more roots from the values still pending (deferred restoration)."""
-        return LoadStatus(self._state, restore_roots(self._state, roots))
+        """Restores more roots from the values still pending (deferred restoration).
+
+        The status returned holds these roots and every root restored before
+        them from the same checkpoint.
+        """
+        self._every.update(restore_roots(self._state, roots))
+        return LoadStatus(self._state, dict(self._every), self._every)
 
     # --- TF's assertions --------------------------------------------------------
     def assert_consumed(self) -> LoadStatus:
@@ -102,11 +112,13 @@ class LoadStatus:
 class InitializationOnlyStatus(LoadStatus):
     """`restore(None)`: nothing to restore from; the roots are returned as given and every assertion fails."""
 
-    def __init__(self, roots: dict[str, Any]) -> None:
+    def __init__(self, roots: dict[str, Any], _every: dict[str, Any] | None = None) -> None:
         self._roots = roots
+        self._every = _every if _every is not None else dict(roots)
 
     def restore(self, **roots: Any) -> LoadStatus:
-        return InitializationOnlyStatus(roots)
+        self._every.update(roots)
+        return InitializationOnlyStatus(dict(self._every), self._every)
 
     def assert_consumed(self) -> LoadStatus:
         raise AssertionError(

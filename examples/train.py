@@ -94,7 +94,9 @@ def _train(args: argparse.Namespace, stop: dict) -> int:
     opt = Adam(1e-2)
     state = opt.init(model)
     global_step = varstate.get_or_create_global_step(registry)
-    manager = checkpoint.CheckpointManager(args.dir, max_to_keep=3, async_save=args.async_save)
+    manager = checkpoint.CheckpointManager(
+        args.dir, max_to_keep=3, async_save=args.async_save, save_interval_steps=args.save_every
+    )
     if manager.latest_checkpoint:
         status = manager.restore(model=model, optimizer=state, global_step=global_step).assert_consumed()
         model, state, global_step = status.model, status.optimizer, status.global_step
@@ -104,6 +106,8 @@ def _train(args: argparse.Namespace, stop: dict) -> int:
 
     def save() -> None:
         step = int(global_step.value)
+        if step in manager.all_steps():  # saved already (the last step is a multiple of --save-every)
+            return
         manager.save(step, model=model, optimizer=state, global_step=global_step)
 
     ran, loss, t0 = 0, float("nan"), time.perf_counter()
@@ -126,7 +130,7 @@ def _train(args: argparse.Namespace, stop: dict) -> int:
             print(f"stopped after {ran} steps at step {step}: checkpoint saved", flush=True)
             manager.close()
             return 0
-        if step % args.save_every == 0:
+        if manager.should_save(step):
             save()
     if ran:
         save()

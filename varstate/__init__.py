@@ -1,6 +1,6 @@
 """varstate: TensorFlow's resource variables as functional JAX pytrees."""
 
-from varstate import mixed_precision, optimizers
+from varstate import mixed_precision, nnx, optimizers
 from varstate._autocast import AutoCastVariable, autocast
 from varstate._conversion import convert_to_tensor_or_indexed_slices
 from varstate._custom_gradient import custom_gradient
@@ -15,7 +15,9 @@ from varstate._partition import (
     variable_axis_size_partitioner,
 )
 from varstate._registry import Registry, name_scope
+from varstate._values import values, with_values
 from varstate._variable import (
+    DonatedVariableError,
     ResourceHandle,
     Variable,
     VariableAggregation,
@@ -28,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoCastVariable",
+    "DonatedVariableError",
     "IndexedSlices",
     "PartitionedVariable",
     "Registry",
@@ -47,8 +50,11 @@ __all__ = [
     "is_resource_variable",
     "mixed_precision",
     "name_scope",
+    "nnx",
     "optimizers",
     "uninitialized",
+    "values",
     "variable_axis_size_partitioner",
+    "with_values",
     "zero_initializer",
 ]

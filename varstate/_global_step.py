@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate._registry import Registry
-from varstate._variable import Variable
+from varstate._variable import Variable, owning_variable
 
 
 def int64_counter(name: str, registry: Registry | None, device: Any = None) -> Variable:
     """A zero TF int64 counter: int64 under `jax_enable_x64`, else int32 (JAX's widest), saved as int64."""
     dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
-    v = Variable(jnp.zeros((), dtype, device=device), name=name, trainable=False, registry=registry)
+    v = owning_variable(jnp.zeros((), dtype, device=device), name=name, trainable=False, registry=registry)
     v.handle.saved_dtype = np.dtype(np.int64)  # TF restores only an int64 into its own counter
     return v
 

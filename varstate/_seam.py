@@ -9,7 +9,8 @@ and a reader of `checkpoint/` sees exactly what it relies on:
   without the checks `assign` makes (restore has already checked it);
 - slot links: which primary (by resource id) and slot name a slot belongs to;
 - saved dtype: the dtype a checkpoint stores for a Variable when it differs
-  from the value's (TF's int64 counters while JAX's 64-bit types are off).
+  from the value's (TF's int64 counters while JAX's 64-bit types are off);
+  restore records the dtype each value was stored in, so it saves back so.
 
 >>> import jax.numpy as jnp, varstate
 >>> from varstate import _seam
@@ -26,7 +27,17 @@ from typing import Any
 
 import numpy as np
 
+from varstate._jax_compat import file_names_without_directories, stable_custom_call_targets
 from varstate._variable import Variable
+
+__all__ = [
+    "file_names_without_directories",
+    "record_saved_dtype",
+    "saved_dtype",
+    "slot_link",
+    "stable_custom_call_targets",
+    "with_value",
+]
 
 
 def with_value(var: Variable, value: Any) -> Variable:

@@ -32,3 +32,58 @@ def encode_structure(tree: Any) -> pb.StructuredValue:
         children = jax.tree_util.tree_flatten(tree, lambda x: x is not tree)[0]
         out.tuple_value.values.extend(map(encode_structure, children))
     return out
+
+
+def structure_json(sv: pb.StructuredValue) -> Any:
+    """A StructuredValue as JSON data: a TensorSpec as ``{"dtype", "shape"}`` (a symbolic dimension by its name,
+    an unknown one as null), tuples and lists as ``{"tuple": [...]}`` / ``{"list": [...]}``, dicts as
+    ``{"dict": {...}}``, None as null."""
+    out: Any = None
+    stack = [(sv, None, None)]  # (value, parent container, key in it): depth is the file's to choose
+    while stack:
+        value, parent, key = stack.pop()
+        kind = value.WhichOneof("kind")
+        if kind == "tensor_spec_value":
+            spec = value.tensor_spec_value
+            dtype = _dtypes.BY_ENUM.get(spec.dtype)
+            item: Any = {"dtype": dtype.name if dtype is not None else f"DataType {spec.dtype}",
+                         "shape": [d.name or None if d.size < 0 else d.size for d in spec.shape.dim]}
+        elif kind in ("tuple_value", "list_value"):
+            children = getattr(value, kind).values
+            item = {kind.split("_")[0]: [None] * len(children)}
+            stack.extend((c, item[kind.split("_")[0]], j) for j, c in enumerate(children))
+        elif kind == "dict_value":
+            item = {"dict": dict.fromkeys(sorted(value.dict_value.fields))}
+            stack.extend((value.dict_value.fields[k], item["dict"], k) for k in item["dict"])
+        else:
+            item = None
+        if parent is None:
+            out = item
+        else:
+            parent[key] = item
+    return out
+
+
+def structure_text(data: Any) -> str:
+    """`structure_json`'s data as one line: ``(float32[n,3], {'k': int32[]})``."""
+    parts: list[str] = []
+    stack: list[Any] = [data]  # strings are emitted as they are, everything else is expanded
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            parts.append(item)
+        elif item is None:
+            parts.append("None")
+        elif "dtype" in item:
+            parts.append(f"{item['dtype']}[{','.join('?' if d is None else str(d) for d in item['shape'])}]")
+        else:
+            (kind, children), = item.items()
+            if kind == "dict":
+                keys = list(children)
+                seq = [x for k in keys for x in (f"{k!r}: ", children[k], ", ")][:-1]
+                opened, closed = "{", "}"
+            else:
+                seq = [x for c in children for x in (c, ", ")][:-1]
+                opened, closed = ("(", ",)" if len(children) == 1 else ")") if kind == "tuple" else ("[", "]")
+            stack.extend(reversed([opened, *seq, closed]))
+    return "".join(parts)

@@ -2,7 +2,8 @@
 
 Layout of an export directory (TF's SavedModel layout, our own top-level file):
 
-    export.pb                   ExportDef: format version, SavedObjectGraph, asset file names, function digests
+    export.pb                   ExportDef: format version, SavedObjectGraph, asset file names, function digests,
+                                then its own sha256 (see `seal`)
     variables/variables.*       TensorBundle with TF's object-graph keys (variables, captured constants)
     functions/<name>            one `jax.export` serialization per signature
     assets/<file>               copies of the exported `Asset` files
@@ -11,6 +12,7 @@ Layout of an export directory (TF's SavedModel layout, our own top-level file):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -18,13 +20,35 @@ from typing import Any
 
 from checkpoint.protos.versions_pb2 import VersionDef
 
-VERSION = 1  # this exporter's format version; a reader accepts min_consumer <= VERSION
+# This exporter's format version; a reader accepts min_consumer <= VERSION. Version 2 added export.pb's
+# sha256; a version-1 file (which has none) still loads, so exports still say min_consumer 1.
+VERSION = 2
 EXPORT_FILE = "export.pb"
+# jax.export serializes to a flatbuffer, which cannot exceed 2 GiB; protobuf messages have the same limit.
+# Anything larger is not one of ours, and reading it whole could exhaust memory first.
+MAX_FILE_BYTES = 2**31 - 1
+# export.pb ends with field 15 of ExportDef, length 32: the sha256 of every byte before it. ExportDef does not
+# declare field 15, so any protobuf reader (a version-1 loader too) skips it as an unknown field.
+_DIGEST_TAG = bytes([15 << 3 | 2, 32])
 SIGNATURES = "signatures"
 WRAPPERS = {dict: "trackable_dict_wrapper", list: "trackable_list_wrapper", tuple: "trackable_tuple_wrapper"}
 GENERIC = "_generic_user_object"
 SIGNATURE_MAP = "signature_map"
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+def seal(data: bytes) -> bytes:
+    """`data` (a serialized ExportDef) followed by its sha256, as export.pb holds it."""
+    return data + _DIGEST_TAG + hashlib.sha256(data).digest()
+
+
+def seal_problem(data: bytes) -> str | None:
+    """What is wrong with the sha256 that ends `data` (export.pb's bytes), or None if it matches."""
+    if len(data) < 34 or data[-34:-32] != _DIGEST_TAG:
+        return "does not end with its sha256"
+    if hashlib.sha256(data[:-34]).digest() != data[-32:]:
+        return "does not match the sha256 at its end"
+    return None
 
 
 class Asset:

@@ -3,14 +3,19 @@
 Nothing loaded executes Python code from the files: objects are rebuilt from
 the SavedObjectGraph (registered types through `register_revived_type`),
 values come from the TensorBundle, functions through `jax.export.deserialize`
-after their sha256 is checked against the ExportDef.
+after their sha256 is checked against the ExportDef. A loaded signature does
+run the compiled code in its file; before it can, `read_function` refuses
+custom calls outside jax.export's own allow-list (an unknown target can crash
+the process), and every file read is a regular file of bounded size.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -26,12 +31,14 @@ from checkpoint._export._format import (
     EXPORT_FILE,
     FUNCTION_NAME,
     GENERIC,
+    MAX_FILE_BYTES,
     REVIVED,
     SIGNATURE_MAP,
     SIGNATURES,
     VERSION,
     WRAPPERS,
     Asset,
+    seal_problem,
 )
 from checkpoint._storage import BundleReader
 from checkpoint.protos import saved_object_graph_pb2 as pb
@@ -78,12 +85,28 @@ class Signature:
         self._inputs = [_fit(c.value if isinstance(c, Variable) else c, aval)
                         for c, aval in zip(captured, exported.in_avals[:len(captured)], strict=True)]
         self._call = jax.jit(exported.call)  # compiled once per input shape, then a plain jit dispatch
+        self._accepted: set[tuple] = set()  # argument structures, shapes and dtypes already checked
 
     def __repr__(self) -> str:
         args = ", ".join(str(a.str_short()) for a in self._arg_avals)
         return f"Signature({self.name!r}, ({args}) -> {self.exported.out_tree})"
 
     def __call__(self, *args: Any) -> Any:
+        # The check costs a few microseconds in Python: done once per kind of arguments, as jit compiles once.
+        leaves, treedef = jax.tree.flatten(args)
+        try:
+            key: tuple | None = (treedef, *[(x.shape, x.dtype) for x in leaves])
+        except AttributeError:
+            key = None  # a Python number among the arguments: checked on every call
+        if key is None or key not in self._accepted:
+            self._check(args)
+            if key is not None:
+                if len(self._accepted) >= 256:  # many batch sizes through a symbolic dimension: start over
+                    self._accepted.clear()
+                self._accepted.add(key)
+        return self._call(self._inputs, *args)
+
+    def _check(self, args: tuple) -> None:
         what = f"Signature {self.name!r} of {self._where}"
         if len(args) != len(self._arg_trees):
             raise TypeError(f"{what} takes {len(self._arg_trees)} positional argument(s), got {len(args)}.")
@@ -103,7 +126,6 @@ class Signature:
                 raise (TypeError if dtype != aval.dtype else ValueError)(
                     f"{what}: input {j} expects {expected}, got {got}. Pass arrays of that dtype and shape "
                     "(symbolic dimensions accept any size).")
-        return self._call(self._inputs, *args)
 
 
 def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> RevivedObject:
@@ -125,29 +147,121 @@ def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> R
     ('scale', False, [4.0, 7.0])
     """
     directory = os.path.abspath(os.fspath(directory))
-    top = os.path.join(directory, EXPORT_FILE)
-    if not os.path.isfile(top):
-        hint = (" It is a TensorFlow SavedModel (saved_model.pb), which this does not load."
-                if os.path.isfile(os.path.join(directory, "saved_model.pb")) else "")
-        raise FileNotFoundError(f"load: {directory!r} is not an export written by checkpoint.export "
-                                f"(no {EXPORT_FILE}).{hint}")
-    with open(top, "rb") as f:
-        try:
-            definition = pb.ExportDef.FromString(f.read())
-        except DecodeError:
-            raise CheckpointFormatError(f"{top}: not a valid ExportDef (the file is corrupt).") from None
-    v = definition.version
-    if v.producer < 1 or not definition.object_graph.nodes:
-        raise CheckpointFormatError(f"{top}: no format version or no objects (the file is corrupt).")
-    if v.min_consumer > VERSION or VERSION in v.bad_consumers:
-        raise ValueError(f"load: {directory!r} has export format version {v.producer} for readers of version >= "
-                         f"{v.min_consumer} except {list(v.bad_consumers)}; this reader is version {VERSION}. "
-                         "Upgrade varstate to load it.")
+    definition = read_definition(directory)
     loader = _Loader(directory, definition, registry or Registry())
     try:
         return loader.root()
     finally:
         loader.reader.close()
+
+
+def read_definition(directory: str) -> pb.ExportDef:
+    """The ExportDef of the export in `directory`, after its file, sha256 and format version are checked."""
+    top = os.path.join(directory, EXPORT_FILE)
+    if not os.path.lexists(top):
+        hint = (" It is a TensorFlow SavedModel (saved_model.pb), which this does not load."
+                if os.path.isfile(os.path.join(directory, "saved_model.pb")) else "")
+        raise FileNotFoundError(f"load: {directory!r} is not an export written by checkpoint.export "
+                                f"(no {EXPORT_FILE}).{hint}")
+    data = read_file(top, EXPORT_FILE)
+    try:
+        # The sha256 trailer is a field ExportDef does not declare: parsing skips it.
+        definition = pb.ExportDef.FromString(data)
+    except DecodeError:
+        raise CheckpointFormatError(f"{top}: not a valid ExportDef (the file is corrupt).") from None
+    v = definition.version
+    if v.producer < 1 or not definition.object_graph.nodes:
+        raise CheckpointFormatError(f"{top}: no format version or no objects (the file is corrupt).")
+    problem = seal_problem(data) if v.producer >= 2 else None  # format version 1 had no sha256
+    if problem:
+        raise CheckpointFormatError(f"{top}: {problem}, as an export of format version {v.producer} must (it was "
+                                    "modified, truncated or is corrupt); export the model again.")
+    if v.min_consumer > VERSION or VERSION in v.bad_consumers:
+        raise ValueError(f"load: {directory!r} has export format version {v.producer} for readers of version >= "
+                         f"{v.min_consumer} except {list(v.bad_consumers)}; this reader is version {VERSION}. "
+                         "Upgrade varstate to load it.")
+    return definition
+
+
+def read_file(path: str, what: str) -> bytes:
+    """The bytes of `path`, which must be a regular file (not a link, device or pipe) of at most 2 GiB."""
+    # O_NOFOLLOW: a link is refused, not followed; O_NONBLOCK: opening a FIFO does not wait for a writer.
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise CheckpointFormatError(f"{path}: the export's {what} is a symbolic link, which load refuses "
+                                        "(it could point anywhere); copy the file itself into the export.") from None
+        if e.errno == errno.ENOENT:
+            raise CheckpointFormatError(f"{path}: the export's {what} is missing (the export is incomplete); "
+                                        "export the model again.") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{path}: the export's {what} is not a regular file (found a "
+                                        f"{_file_kind(st.st_mode)}); an export holds only regular files.")
+        if st.st_size > MAX_FILE_BYTES:
+            raise CheckpointFormatError(f"{path}: the export's {what} is {st.st_size} bytes, over the "
+                                        f"{MAX_FILE_BYTES}-byte limit of the format; it is not a file export wrote.")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise CheckpointFormatError(f"{path}: the export's {what} grew past {MAX_FILE_BYTES} bytes while read.")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+             (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket")]
+    return next((name for test, name in kinds if test(mode)), f"file of mode {oct(mode)}")
+
+
+def read_function(directory: str, definition: pb.ExportDef, name: str, label: str) -> jax.export.Exported:
+    """Signature `label`'s function `name` deserialized, once its file, sha256 and custom calls are checked."""
+    if not FUNCTION_NAME.fullmatch(name):  # a name from the file: it must stay one file name under functions/
+        raise CheckpointFormatError(f"{os.path.join(directory, EXPORT_FILE)}: signature {label!r} names function "
+                                    f"{name!r}, which is not a function file name ([A-Za-z0-9_]+); refusing it.")
+    path = os.path.join(directory, "functions", name)
+    data = read_file(path, f"function file of signature {label!r}")
+    if hashlib.sha256(data).digest() != definition.function_sha256.get(name):
+        raise CheckpointFormatError(f"{path}: the function file does not match its sha256 in {EXPORT_FILE} "
+                                    "(it was modified or is corrupt); export the model again.")
+    try:
+        exported = jax.export.deserialize(bytearray(data))
+    except (ValueError, TypeError, IndexError, struct.error) as e:
+        raise CheckpointFormatError(f"{path}: jax.export cannot deserialize it ({e}).") from e
+    stable = _seam.stable_custom_call_targets()
+    # The file's own disabled_safety_checks are not honoured: the file is what is being checked.
+    unknown = sorted({t for t in custom_call_targets(exported, path) if t not in stable})
+    if unknown:
+        raise CheckpointFormatError(
+            f"{path}: signature {label!r} calls XLA custom call target(s) {unknown}, which jax.export does not "
+            f"accept without a disabled safety check (JAX {jax.__version__} accepts {len(stable)} stable targets); "
+            "load refuses it before anything runs, as calling an unknown target can crash the process. Export the "
+            "function again without custom calls outside that list.")
+    return exported
+
+
+def custom_call_targets(exported: jax.export.Exported, where: str) -> list[str]:
+    """The call targets of every `stablehlo.custom_call` in the exported module, in any function or region."""
+    from jax.extend.mlir import ir
+    from jax.interpreters import mlir
+
+    targets = []
+    with mlir.make_ir_context():
+        try:
+            module = exported.mlir_module(serialized=False)
+        except (ValueError, RuntimeError) as e:  # jaxlib reports a bad StableHLO artifact as either
+            raise CheckpointFormatError(f"{where}: its StableHLO module cannot be read ({e}).") from e
+        stack = [module.operation]  # a stack, not recursion: nesting depth is the file's to choose
+        while stack:
+            op = stack.pop()
+            if op.name == "stablehlo.custom_call":
+                attr = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
+                targets.append(ir.StringAttr(attr).value if attr is not None else "<no call_target_name>")
+            stack.extend(inner.operation for region in op.regions for block in region for inner in block)
+    return targets
 
 
 class _Loader:
@@ -232,11 +346,24 @@ class _Loader:
         files = self.definition.asset_file_def
         if not 0 <= index < len(files):
             raise self.fail(i, f"asset index {index} is outside the {len(files)} asset files")
-        assets = os.path.realpath(os.path.join(self.dir, "assets"))
-        path = os.path.realpath(os.path.join(assets, files[index].filename))
-        if os.path.dirname(path) != assets or not files[index].filename:
-            raise self.fail(i, f"asset file name {files[index].filename!r} leads outside {assets}; refusing it")
-        return Asset(path)
+        name = files[index].filename
+        if not name or os.path.basename(name) != name or name in (".", "..") or "\0" in name:
+            raise self.fail(i, f"asset file name {name!r} leads outside {self.dir}/assets; refusing it")
+        # Links are refused, not resolved: a linked assets/ or asset would hand the caller any file on this
+        # machine as if it came with the export.
+        assets = os.path.join(os.path.realpath(self.dir), "assets")
+        for path, what in ((assets, "the assets directory"), (os.path.join(assets, name), f"asset {name!r}")):
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                raise self.fail(i, f"{what} is missing from the export ({path})") from None
+            if stat.S_ISLNK(mode):
+                raise self.fail(i, f"{what} is a symbolic link ({path}), which load refuses: it could point "
+                                   "anywhere. Copy the file itself into the export.")
+            if not (stat.S_ISDIR if path == assets else stat.S_ISREG)(mode):
+                raise self.fail(i, f"{what} ({path}) is a {_file_kind(mode)}, expected a "
+                                   f"{'directory' if path == assets else 'regular file'}")
+        return Asset(os.path.join(assets, name))
 
     def user_object(self, i: int, uo: pb.SavedUserObject) -> Any:
         if uo.identifier == SIGNATURE_MAP:
@@ -267,19 +394,10 @@ class _Loader:
         name = bare.concrete_function_name
         if name not in self.graph.concrete_functions or not FUNCTION_NAME.fullmatch(name):
             raise self.fail(i, f"names concrete function {name!r}, which the export does not have")
-        path = os.path.join(self.dir, "functions", name)
-        with open(path, "rb") as f:
-            data = f.read()
-        if hashlib.sha256(data).digest() != self.definition.function_sha256.get(name):
-            raise CheckpointFormatError(f"{path}: the function file does not match its sha256 in {EXPORT_FILE} "
-                                        "(it was modified or is corrupt); export the model again.")
-        try:
-            exported = jax.export.deserialize(bytearray(data))
-        except (ValueError, TypeError, IndexError, struct.error) as e:
-            raise CheckpointFormatError(f"{path}: jax.export cannot deserialize it ({e}).") from e
+        label = self.names[i].replace("(root).", "").replace(f"{SIGNATURES}.", "", 1)
+        exported = read_function(self.dir, self.definition, name, label)
         captured = [self.node(n, i) for n in self.graph.concrete_functions[name].bound_inputs]
         if exported.in_tree.children()[0].children()[0].num_leaves != len(captured):  # ((captured, *args), {})
             raise self.fail(i, f"function {name!r} takes a different number of captured inputs than its "
                                f"{len(captured)} bound_inputs")
-        label = self.names[i].replace("(root).", "").replace(f"{SIGNATURES}.", "", 1)
         return Signature(label, exported, captured, self.dir)

@@ -35,6 +35,7 @@ from checkpoint._export._format import (
     VERSION,
     WRAPPERS,
     Asset,
+    seal,
 )
 from checkpoint._storage._tensors import tf_tensors
 from checkpoint.protos import saved_object_graph_pb2 as pb
@@ -105,7 +106,7 @@ def export(directory: str | os.PathLike, root: Any,
         _add_signatures(definition, saved, root, signatures, graph, tmp, platforms)
         definition.object_graph.CopyFrom(saved)
         with open(os.path.join(tmp, EXPORT_FILE), "wb") as f:
-            f.write(definition.SerializeToString())
+            f.write(seal(definition.SerializeToString()))
         os.rename(tmp, directory)  # replaces an empty directory; never leaves a half export there
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -215,7 +216,8 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
             unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
             flat_fn, specs, bound = _inputs(fn, flat, treedef, [None if n in unused else n for n in leaf_nodes],
                                             is_leaf)
-            exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
+            with _seam.file_names_without_directories():  # the file carries no paths of the machine that made it
+                exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
         except Exception as e:
             e.add_note(f"while exporting signature {name!r} with jax.export")
             raise

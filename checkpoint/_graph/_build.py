@@ -176,18 +176,24 @@ def values(graph: Graph) -> dict[str, Any]:
                 if v.save_slice_info is None:
                     raise ValueError(f"Cannot save {s.key!r}: shard {v.name!r} has no SaveSliceInfo.")
                 _initialized(s.key, v.value)
-            out[s.key] = [(v.save_slice_info, v.value) for v in shards]
+            out[s.key] = [(v.save_slice_info, _as_saved(v, v.value)) for v in shards]
         else:
             var = as_variable(obj)
             out[s.key] = _initialized(s.key, var.value if var is not None else obj)
-            if var is not None and _seam.saved_dtype(var) != var.dtype:
-                out[s.key] = np.asarray(jax.device_get(out[s.key])).astype(_seam.saved_dtype(var))
+            if var is not None:
+                out[s.key] = _as_saved(var, out[s.key])
             if isinstance(out[s.key], jax.Array) and jax.dtypes.issubdtype(out[s.key].dtype, jax.dtypes.prng_key):
                 raise TypeError(
                     f"Cannot save {s.key!r}: a PRNG key array ({out[s.key].dtype}) has no storable dtype. Save "
                     "jax.random.key_data(key) and rebuild the key with jax.random.wrap_key_data after restoring."
                 )
     return out
+
+
+def _as_saved(var: Variable, value: Any) -> Any:
+    """`value` in the dtype `var` is stored as (TF's int64 counters held as int32 while 64-bit types are off)."""
+    saved = _seam.saved_dtype(var)
+    return value if saved == var.dtype else np.asarray(jax.device_get(value)).astype(saved)
 
 
 def _initialized(key: str, value: Any) -> Any:

@@ -258,7 +258,15 @@ def _place(value: Any, like: Any) -> jax.Array:
 def _finish(cell: _Cell, value: Any) -> Any:
     t = cell.template
     want = _expected(cell)
-    if want is not None and np.dtype(value.dtype) != want[1]:  # allowed by _check: JAX's 32-bit type
+    stored = np.dtype(value.dtype) if hasattr(value, "dtype") else None
+    if cell.kind == ARRAY and want is not None and stored != want[1]:
+        # A 64-bit value for a template of its 32-bit form (allowed by _check). A jax.Array cannot hold it while
+        # JAX's 64-bit types are off, and a plain array has no handle to remember the stored dtype on: it comes
+        # back as numpy, in its stored dtype, so that it saves back as stored (TF refuses an int32 into its int64
+        # counters), and nothing is narrowed.
+        host = np.array(jax.device_get(value))
+        return host.reshape(())[()] if isinstance(t, np.generic) else host
+    if want is not None and stored != want[1]:  # allowed by _check: JAX's 32-bit type
         value = _dtypes.narrow(np.asarray(value), want[1], cell.label, cell.key)
     if cell.kind == PYTHON:
         value = np.asarray(value)
@@ -281,14 +289,17 @@ def _finish(cell: _Cell, value: Any) -> Any:
         return _place(value, t)
     if cell.kind == PARTITIONED:
         full = np.asarray(jax.device_get(value))
-        return _walk.rebuild(t, lambda _, shard: _slice_into(shard, full))
+        return _walk.rebuild(t, lambda _, shard: _slice_into(shard, full, stored))
     var = _walk.as_variable(t)
     if cell.info is not None:
-        return _slice_into(var, np.asarray(jax.device_get(value)))
+        return _slice_into(var, np.asarray(jax.device_get(value)), stored)
+    # The handle remembers the stored dtype (an int64 held as int32), so the variable saves back as stored.
+    _seam.record_saved_dtype(var, stored)
     return _walk.rewrap(t, _seam.with_value(var, _place(value, var.value)))
 
 
-def _slice_into(shard: Variable, full: np.ndarray) -> Variable:
+def _slice_into(shard: Variable, full: np.ndarray, stored: np.dtype) -> Variable:
     info = shard.save_slice_info
     index = _keys.slice_index(info.var_offset, info.var_shape)
+    _seam.record_saved_dtype(shard, stored)
     return _seam.with_value(shard, _place(np.ascontiguousarray(full[index]), shard.value))

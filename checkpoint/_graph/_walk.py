@@ -129,11 +129,18 @@ def rewrap(obj: Any, new_variable: Variable) -> Any:
 
 
 def slot_variables(state: OptimizerState) -> list[Variable]:
-    """Every slot Variable of an optimizer state, in pytree order."""
+    """Every slot Variable of an optimizer state, once each, in pytree order.
+
+    A variable held at two places (tied weights) has one slot, found at both
+    places of the state: it is one saved value, not two shards of one.
+    """
     leaves = jax.tree.leaves(state.slots, is_leaf=lambda x: isinstance(x, (Variable, PartitionedVariable)))
-    out = []
+    out, seen = [], set()
     for leaf in leaves:
-        out.extend(leaf if isinstance(leaf, PartitionedVariable) else [leaf] if isinstance(leaf, Variable) else [])
+        for v in leaf if isinstance(leaf, PartitionedVariable) else [leaf] if isinstance(leaf, Variable) else []:
+            if v.resource_id not in seen:
+                seen.add(v.resource_id)
+                out.append(v)
     return out
 
 

@@ -58,7 +58,8 @@ class Reader(Protocol):
 
 def is_orbax(path: str) -> bool:
     """True for an orbax-format checkpoint directory (checked without importing orbax)."""
-    return os.path.isfile(os.path.join(path, ORBAX_METADATA))
+    # Anything by that name: a FIFO or a link in its place is then refused by the reader, naming it.
+    return os.path.lexists(os.path.join(path, ORBAX_METADATA))
 
 
 def open_reader(path: str | os.PathLike) -> Reader:
@@ -81,13 +82,13 @@ def _resolve(path: str, follow_state: bool = True) -> str:
     if os.path.isdir(path):
         if is_orbax(path):
             return path
-        if follow_state and os.path.isfile(os.path.join(path, STATE_FILE)):
+        if follow_state and _present(os.path.join(path, STATE_FILE)):
             return _resolve(_latest(path), follow_state=False)
         raise FileNotFoundError(
             f"No checkpoint in directory {path}: it holds no {STATE_FILE!r} state file and is not an orbax "
             "checkpoint. Pass a checkpoint prefix (the path before '.index') instead."
         )
-    if follow_state and os.path.basename(path) == STATE_FILE and os.path.isfile(path):
+    if follow_state and os.path.basename(path) == STATE_FILE and _present(path):
         return _resolve(_latest(os.path.dirname(path) or "."), follow_state=False)
     raise FileNotFoundError(
         f"No checkpoint at {path}: expected a prefix with a {os.path.basename(path)}.index file, a directory "
@@ -101,3 +102,9 @@ def _latest(directory: str) -> str:
         raise FileNotFoundError(f"{os.path.join(directory, STATE_FILE)} names no checkpoint (model_checkpoint_path "
                                 "is empty).")
     return latest
+
+
+def _present(path: str) -> bool:
+    # A state file in any form but a directory: a FIFO or a link to a device is refused by the reader, naming
+    # it, rather than passed over as if there were no state file.
+    return os.path.exists(path) and not os.path.isdir(path)

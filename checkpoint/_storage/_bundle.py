@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._crc import crc32c, mask
-from checkpoint._storage._files import pread, pread_into
+from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, within
 from checkpoint._storage._table import read_table, read_varint
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
@@ -32,6 +32,7 @@ _STRING = _dtypes.STRING_ENUM
 # Bundle format versions (TF's kTensorBundleVersion and kTensorBundleMinConsumer).
 VERSION = 1
 MIN_PRODUCER = 0
+INDEX_LIMIT = 4 << 30  # bytes; TF's index for a million tensors is about 100 MB
 _BAD_CRC = "checksum mismatch (the data file is corrupt); copy it again from its source"
 
 
@@ -66,11 +67,17 @@ def _signed_num_increasing(value: int) -> bytes:
 
 def slice_key(name: bytes, extents: list[tuple[int, int]]) -> bytes:
     """The table key of one saved slice: `extents` is (start, length) per dimension, length -1 for all."""
+    return _slice_key_head(name, len(extents)) + _slice_key_tail(extents)
+
+
+def _slice_key_head(name: bytes, rank: int) -> bytes:
+    # The part every slice of one tensor shares, escaped once however many slices there are.
     escaped = re.sub(rb"[\x00\xff]", lambda m: m[0] + (b"\xff" if m[0] == b"\x00" else b"\x00"), name)
-    key = _num_increasing(0) + escaped + b"\x00\x01" + _num_increasing(len(extents))
-    for start, length in extents:
-        key += _signed_num_increasing(start) + _signed_num_increasing(length)
-    return key
+    return _num_increasing(0) + escaped + b"\x00\x01" + _num_increasing(rank)
+
+
+def _slice_key_tail(extents: list[tuple[int, int]]) -> bytes:
+    return b"".join(_signed_num_increasing(start) + _signed_num_increasing(length) for start, length in extents)
 
 
 def _close_all(fds: dict) -> None:
@@ -90,8 +97,9 @@ class BundleReader:
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = os.fspath(prefix)
         self.index_path = self.prefix + ".index"
-        with open(self.index_path, "rb") as f:
-            items = read_table(f.read(), self.index_path)
+        self._root = os.path.dirname(os.path.abspath(self.prefix))  # every file must resolve inside it
+        within(self._root, self.index_path)
+        items = read_table(read_regular(self.index_path, INDEX_LIMIT, "the checkpoint index"), self.index_path)
         if not items or items[0][0] != b"":
             raise CheckpointFormatError(f"{self.index_path}: no bundle header (the entry under the empty key)")
         header = self._parse(tensor_bundle_pb2.BundleHeaderProto, items[0][1], "the header")
@@ -196,15 +204,17 @@ class BundleReader:
             )
         extents, index = [], []
         for e, dim in zip(proto.extent, shape, strict=True):
-            length = e.length if e.HasField("length") else -1
-            stop = e.start + (dim if length == -1 else length)
-            if e.start < 0 or length < -1 or stop > dim or (length == -1 and e.start):
+            start, length = e.start, e.length
+            if not length and not e.HasField("length"):  # HasField costs as much as the rest: only for a 0
+                length = -1
+            stop = start + (dim if length == -1 else length)
+            if start < 0 or length < -1 or stop > dim or (length == -1 and start):
                 raise CheckpointFormatError(
-                    f"{self.index_path}: key {key!r} has a slice (start {e.start}, length {length}) outside "
+                    f"{self.index_path}: key {key!r} has a slice (start {start}, length {length}) outside "
                     f"its shape {shape}"
                 )
-            extents.append((e.start, length))
-            index.append(slice(e.start, stop))
+            extents.append((start, length))
+            index.append(slice(start, stop))
         return extents, tuple(index)
 
     def get(self, key: str) -> np.ndarray:
@@ -214,10 +224,12 @@ class BundleReader:
         dtype = self._dtype(key, entry.dtype)
         if not entry.slices:
             return self._read(key, entry, self._locate(key, entry, shape, dtype), shape, dtype)
-        parts = []
+        # Linear in the slices: a hostile index may hold tens of thousands for one tensor.
+        head = _slice_key_head(key.encode("utf-8", "surrogateescape"), len(shape))
+        parts, boxes = [], []
         for proto in entry.slices:
             extents, index = self._extents(key, proto, shape)
-            skey = slice_key(key.encode("utf-8", "surrogateescape"), extents)
+            skey = head + _slice_key_tail(extents)
             if skey not in self._slices:
                 raise CheckpointFormatError(
                     f"{self.index_path}: the entry of slice {[(i.start, i.stop) for i in index]} of key {key!r} "
@@ -229,9 +241,15 @@ class BundleReader:
                     f"{self.index_path}: a slice of key {key!r} has {_dtype_name(sentry.dtype)}, the full "
                     f"tensor {_dtype_name(entry.dtype)}"
                 )
-            part_shape = tuple(i.stop - i.start for i in index)
+            box = [(i.start, i.stop - i.start) for i in index]
+            part_shape = tuple(n for _, n in box)
+            boxes.append(box)
             parts.append((index, sentry, part_shape, self._locate(key, sentry, part_shape, dtype)))
-        if not _keys.covers_exactly(shape, [[(i.start, i.stop - i.start) for i in p[0]] for p in parts]):
+        try:
+            tiled = _keys.covers_exactly(shape, boxes)
+        except ValueError as e:  # too fragmented to check in bounded time
+            raise CheckpointFormatError(f"{self.index_path}: the saved slices of key {key!r}: {e}") from None
+        if not tiled:
             raise CheckpointFormatError(
                 f"{self.index_path}: the saved slices of key {key!r} overlap or do not cover its shape {shape}"
             )
@@ -243,8 +261,25 @@ class BundleReader:
                 f"{available}"
             )
         out = np.empty(shape, dtype)  # only now: the slices' stored bytes account for every element
-        for index, sentry, part_shape, where in parts:
-            out[index] = self._read(key, sentry, where, part_shape, dtype)
+        if dtype.kind == "O" or len(parts) < 2:
+            for index, sentry, part_shape, where in parts:
+                out[index] = self._read(key, sentry, where, part_shape, dtype)
+            return out
+        for shard in {p[1].shard_id for p in parts}:
+            group = [p for p in parts if p[1].shard_id == shard]
+            start = min(p[1].offset for p in group)
+            span = max(p[1].offset + p[1].size for p in group) - start
+            if span > 2 * sum(p[1].size for p in group) + (1 << 20):  # scattered: one read each
+                for index, sentry, part_shape, where in group:
+                    out[index] = self._read(key, sentry, where, part_shape, dtype)
+                continue
+            # Side by side in the file (as every writer puts them): one read for all, then each checked.
+            fd, where = group[0][3]
+            span_bytes = np.empty(span, np.uint8)
+            pread_into(fd, span_bytes, start, where)
+            for index, sentry, part_shape, (_, where) in group:
+                raw = span_bytes[sentry.offset - start:sentry.offset - start + sentry.size]
+                out[index] = self._checked(raw, sentry, where, dtype).view(dtype).reshape(part_shape)
         return out
 
     def _locate(self, key: str, entry, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, str]:
@@ -256,14 +291,15 @@ class BundleReader:
                 raise CheckpointFormatError(
                     f"{self.index_path}: key {key!r} is in shard {shard}, but the bundle has {self.num_shards}"
                 )
+            within(self._root, path)
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+                fd, size = open_regular(path, f"data shard {shard}")
             except FileNotFoundError:
                 raise CheckpointFormatError(
                     f"{path}: data shard missing (needed for key {key!r} of {self.index_path}); copy every "
                     f"{os.path.basename(self.prefix)}.data-* file with the .index"
                 ) from None
-            if self._files.setdefault(shard, (fd, os.fstat(fd).st_size))[0] != fd:
+            if self._files.setdefault(shard, (fd, size))[0] != fd:
                 os.close(fd)  # another thread opened it first
         fd, file_size = self._files[shard]
         where = f"{path}: key {key!r}"
@@ -286,12 +322,17 @@ class BundleReader:
         out = np.empty(shape, dtype)
         flat = out.reshape(-1).view(np.uint8)
         pread_into(fd, flat, entry.offset, where)
+        self._checked(flat, entry, where, dtype)
+        return out
+
+    def _checked(self, flat: np.ndarray, entry, where: str, dtype: np.dtype) -> np.ndarray:
+        """`flat` (a value's stored bytes) after its crc32c is checked, in native byte order (swapped in place)."""
         if mask(crc32c(flat)) != entry.crc32c:
             raise CheckpointFormatError(f"{where}: {_BAD_CRC}")
         if self._swap and dtype.itemsize > 1:
             unit = dtype.itemsize // (2 if dtype.kind == "c" else 1)
             flat.view(f"u{unit}").byteswap(inplace=True)
-        return out
+        return flat
 
     def _strings(self, where: str, raw: bytes, shape: tuple[int, ...], crc: int) -> np.ndarray:
         count = math.prod(shape)

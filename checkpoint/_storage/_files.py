@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import IO
 
 import numpy as np
@@ -69,3 +70,103 @@ def inside(directory: str, path: str, where: str) -> str:
         f"{where} names checkpoint {path!r}, which is outside {directory}; a state file may only name "
         "checkpoints in its own directory. Pass the checkpoint prefix directly."
     )
+
+
+def open_regular(path: str, what: str) -> tuple[int, int]:
+    """(fd, size) of the regular file `path`; CheckpointFormatError naming it for anything else.
+
+    Opened without blocking, so a FIFO put in a checkpoint's place cannot hang
+    the reader, and checked on the open descriptor, so a device (a link to
+    /dev/zero, endless) is refused before a byte is read. FileNotFoundError
+    passes through: callers say what was expected.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(
+                f"{path}: {what} is not a regular file (it is {_kind(st.st_mode)}); a checkpoint's files must be "
+                "plain files"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_regular(path: str, limit: int, what: str) -> bytes:
+    """The whole of the regular file `path`, refused (CheckpointFormatError naming it) past `limit` bytes."""
+    fd, size = open_regular(path, what)
+    try:
+        if size > limit:
+            raise CheckpointFormatError(
+                f"{path}: {what} is {size} bytes, more than the {limit} this reader accepts; it is not one this "
+                "library wrote"
+            )
+        return pread(fd, size, 0, path)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def within(root: str, path: str) -> None:
+    """Refuses `path` (a checkpoint's file or directory) if it resolves outside `root`, the checkpoint's directory.
+
+    One rule for both formats: a checkpoint is the files in its directory, so
+    a symlink out of it (to another user's file, or to a device) is refused,
+    as `inside` refuses a state file naming a path outside. Links within the
+    directory are followed.
+    """
+    real_root = os.path.realpath(root)
+    target = os.path.realpath(path)
+    if target != real_root and os.path.commonpath([real_root, target]) != real_root:
+        raise CheckpointFormatError(
+            f"{path}: a symlink to {target}, outside the checkpoint's directory {real_root}; a checkpoint may "
+            "only use files in its own directory. Copy the file into it instead of linking."
+        )
+
+
+def stored_bytes(directory: str, root: str) -> int:
+    """Bytes in the regular files under `directory` (links checked with `within` first); 0 if it is absent.
+
+    Anything else there (a FIFO, a device) is refused: the storage library
+    would block on it or read it without end.
+    """
+    if not os.path.lexists(directory):
+        return 0
+    within(root, directory)
+    if not os.path.isdir(directory):
+        raise CheckpointFormatError(f"{directory}: not a directory; the checkpoint is damaged")
+    total, seen, todo = 0, set(), [directory]
+    while todo:
+        here = todo.pop()
+        real = os.path.realpath(here)
+        if real in seen:  # two links to one directory (or a loop): counted once
+            continue
+        seen.add(real)
+        with os.scandir(here) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    within(root, entry.path)
+                try:
+                    st = os.stat(entry.path)
+                except FileNotFoundError:
+                    raise CheckpointFormatError(f"{entry.path}: a symlink to nothing; the checkpoint is incomplete") \
+                        from None
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append(entry.path)
+                elif stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+                else:
+                    raise CheckpointFormatError(
+                        f"{entry.path}: is {_kind(st.st_mode)}, not a regular file; a checkpoint's files must be "
+                        "plain files"
+                    )
+    return total

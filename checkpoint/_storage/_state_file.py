@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from google.protobuf import text_format
 
 from checkpoint._errors import CheckpointFormatError
-from checkpoint._storage._files import inside, sync_file
+from checkpoint._storage._files import inside, read_regular, sync_file
 from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
 
 __all__ = ["STATE_FILE", "latest_in", "read_checkpoint_state", "record_latest", "write_checkpoint_state"]
 
 STATE_FILE = "checkpoint"
+STATE_FILE_LIMIT = 16 << 20  # bytes; a state file listing 100,000 checkpoints is a few MB
 
 
 def read_checkpoint_state(directory: str | os.PathLike) -> CheckpointState | None:
@@ -30,8 +31,9 @@ def read_checkpoint_state(directory: str | os.PathLike) -> CheckpointState | Non
     """
     path = os.path.join(os.fspath(directory), STATE_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        # A regular file, read up to a bound: a link to /dev/zero would read until memory ran out, a FIFO
+        # would block forever. Real state files are a few hundred bytes a checkpoint.
+        text = read_regular(path, STATE_FILE_LIMIT, "the checkpoint state file").decode("utf-8")
     except FileNotFoundError:
         return None
     except UnicodeDecodeError:

@@ -16,38 +16,43 @@ import checkpoint
 import varstate
 from varstate.optimizers import Adam
 
-# The child saves steps 1, 2, 3, ... with a CheckpointManager (max_to_keep=2); at save 3 it
-# kills itself with SIGKILL at the point named by argv[2] (or it is killed from outside).
+# The child saves steps 1, 2, 3, ... with a CheckpointManager (max_to_keep=2); at save 3 it kills itself
+# with SIGKILL at the point named by argv[2] (or it is killed from outside). The points are the steps of a
+# save, each one small function of checkpoint._publish or checkpoint._manager (the seams), not orbax's.
 CHILD = textwrap.dedent(
     """
-    import os, shutil, signal, sys
+    import os, signal, sys
     import jax.numpy as jnp
     import checkpoint, varstate
-    from checkpoint import _manager
-    from orbax.checkpoint._src.path import async_path
+    from checkpoint import _manager, _publish
+    from checkpoint._storage import _state_file
 
     directory, point = sys.argv[1], sys.argv[2]
     step = 0
+    calls = {}
 
-    def die(*args, **kwargs):
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def wrap(module, name):
+    def wrap(module, name, nth=1):
         original = getattr(module, name)
         def patched(*args, **kwargs):
-            die()
+            if step == 3:
+                calls[name] = calls.get(name, 0) + 1
+                if calls[name] == nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
             return original(*args, **kwargs)
         setattr(module, name, patched)
 
     if point == "before-commit":
-        wrap(async_path, "rename")         # values written to the temporary directory, not renamed
+        wrap(_publish, "move_into_place")  # values written under the temporary name, not moved in
     elif point == "before-state":
-        wrap(_manager, "record_latest")  # renamed, not yet recorded as the latest
+        wrap(_manager, "record_latest")  # moved in, not yet recorded as the latest
     elif point == "mid-state-write":
-        wrap(_manager.os, "fsync")         # state file half written beside the real one
+        wrap(_state_file, "sync_file")  # state file half written beside the real one
+    elif point == "before-delete":
+        wrap(_publish, "retire")  # recorded as the latest; the oldest still listed, not deleted
     elif point == "mid-delete":
-        wrap(_manager.shutil, "rmtree")    # deleting the oldest checkpoint
+        wrap(_publish, "delete_tree")  # the oldest renamed away, being deleted
+    elif point == "before-unlist":
+        wrap(_manager, "record_latest", 2)  # the oldest deleted, still listed
     mgr = checkpoint.CheckpointManager(directory, max_to_keep=2)
     while True:
         step += 1
@@ -74,15 +79,19 @@ def run_child(directory, point):
     return out
 
 
-@pytest.mark.parametrize("point", ["before-commit", "before-state", "mid-state-write", "mid-delete", "timed"])
+POINTS = ["before-commit", "before-state", "mid-state-write", "before-delete", "mid-delete", "before-unlist", "timed"]
+
+
+@pytest.mark.parametrize("point", POINTS)
 def test_a_killed_save_leaves_the_last_good_checkpoint(tmp_path, point):
     directory = str(tmp_path)
     run_child(directory, point)
     latest = checkpoint.latest_checkpoint(directory)
     assert latest is not None
     step = int(latest.rsplit("-", 1)[1])
-    expected_min = 2 if point != "timed" else 3
-    assert step >= expected_min
+    # Recorded as the latest from the first write of the state file on.
+    assert step == (3 if point in ("before-delete", "mid-delete", "before-unlist") else 2) or point == "timed"
+    assert step >= (3 if point == "timed" else 2)
     template = {"w": varstate.Variable(jnp.zeros(4)), "big": jnp.zeros(300_000)}
     got = checkpoint.Checkpoint(model=template).restore(latest).assert_consumed().model
     assert got["w"].value.tolist() == [float(step)] * 4
@@ -91,8 +100,10 @@ def test_a_killed_save_leaves_the_last_good_checkpoint(tmp_path, point):
     mgr = checkpoint.CheckpointManager(directory, max_to_keep=2)
     assert mgr.latest_checkpoint == latest
     mgr.save(step + 1, model=template)
-    assert not [p for p in os.listdir(directory) if "tmp" in p]
+    assert not [p for p in os.listdir(directory) if "tmp" in p or "varstate" in p]
     assert checkpoint.latest_checkpoint(directory).endswith(f"ckpt-{step + 1}")
+    # max_to_keep holds again: a checkpoint the kill left listed, or on disk and unlisted, is gone.
+    assert sorted(p for p in os.listdir(directory) if p.startswith("ckpt")) == [f"ckpt-{step}", f"ckpt-{step + 1}"]
 
 
 def test_async_save_then_donated_optimizer_steps_keep_the_values_at_save_time(tmp_path):

@@ -410,3 +410,233 @@ def test_a_name_based_checkpoint_converted_to_orbax_stays_name_based(capsys, tmp
     name = "bert/embeddings/position_embeddings"
     params = {"e": varstate.Variable(jnp.zeros(expected(name).shape), name=name, registry=varstate.Registry())}
     np.testing.assert_array_equal(checkpoint.restore_by_name(dst, params).params["e"].value, expected(name))
+
+
+# --- names that would drive a terminal ----------------------------------------------------
+EVIL = {"osc": "title\x1b]0;pwned\x07", "csi": "clear\x1b[2J", "c1": "c1\x9b31m", "bidi": "rtl\u202etxt.exe",
+        "newline": "two\nlines", "del": "del\x7f"}
+ESCAPED = {"osc": r"title\x1b]0;pwned\x07", "csi": r"clear\x1b[2J", "c1": r"c1\x9b31m", "bidi": r"rtl\u202etxt.exe",
+           "newline": r"two\x0alines", "del": r"del\x7f"}
+
+
+def _no_terminal_controls(text):
+    """Nothing but printable characters and line ends: the reference is unicodedata's categories."""
+    import unicodedata
+
+    bad = [c for c in text if c != "\n" and unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp")]
+    assert not bad, bad
+
+
+def _evil_checkpoints(tmp_path):
+    """A name-based bundle whose keys carry control characters, and an object-based one whose object names do."""
+    flat = str(tmp_path / "flat")
+    write_bundle(flat, {v: np.full(2, i, np.float32) for i, v in enumerate(EVIL.values())})
+    graph = TrackableObjectGraph()
+    root = graph.nodes.add()
+    tensors = {}
+    for i, name in enumerate(EVIL.values()):
+        root.children.add(node_id=i + 1, local_name=name)
+        key = f"{name.replace('.', '..').replace('/', '.S')}{SUFFIX}"
+        graph.nodes.add().attributes.add(name="VARIABLE_VALUE", full_name=name, checkpoint_key=key)
+        tensors[key] = np.full(3, i, np.float32)
+    tree = str(tmp_path / "tree")
+    write_bundle(tree, {**tensors, "_CHECKPOINTABLE_OBJECT_GRAPH": graph.SerializeToString()})
+    return flat, tree
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_control_characters_in_names_are_escaped_in_every_output_mode(capsys, monkeypatch, tmp_path, terminal):
+    monkeypatch.setattr(cli, "_is_terminal", lambda: terminal)
+    flat, tree = _evil_checkpoints(tmp_path)
+    other = str(tmp_path / "other")
+    write_bundle(other, {v: np.full(2, i + 9 * (k == "osc"), np.float32) for i, (k, v) in enumerate(EVIL.items())})
+    outputs = []
+    for argv in (["inspect", flat], ["inspect", tree], ["inspect", flat, "--key", EVIL["osc"]],
+                 ["diff", flat, other], ["diff", flat, other, "--only-diff"], ["diff", tree, flat]):
+        code, out, err = run(capsys, *argv)
+        assert code in (0, 1) and err == "", (argv, err)
+        _no_terminal_controls(out)
+        outputs.append(out)
+    listing, objects, key, diff, only, _ = outputs
+    for kind, escaped in ESCAPED.items():
+        assert escaped in listing and escaped in objects and escaped in diff, kind
+    assert key.startswith(f"key: {ESCAPED['osc']}\n")
+    assert ESCAPED["osc"] in only and ESCAPED["csi"] not in only  # only the key whose values differ
+    # An error quoting a name: one line, escaped.
+    code, _, err = run(capsys, "inspect", flat, "--key", "missing\x1b]0;x\x07")
+    assert code == 2 and err.count("\n") == 1 and "\x1b" not in err and r"missing\x1b]0;x\x07" in err
+
+
+def test_json_output_escapes_every_control_character(capsys, tmp_path):
+    flat, tree = _evil_checkpoints(tmp_path)
+    for argv in (["inspect", flat], ["inspect", tree], ["diff", flat, tree]):
+        code, out, _ = run(capsys, *argv, "--json")
+        assert code in (0, 1) and out.isascii() and out.count("\n") == 1  # one line of ASCII: \u escapes
+        keys = [k["key"] for k in json.loads(out)["keys" if argv[0] == "inspect" else "only_in_a"]]
+        want = sorted(map(cli_escape, EVIL.values()) if argv[1] == tree else EVIL.values())
+        assert [k.removesuffix(SUFFIX) for k in keys] == want  # the names come back exactly
+    code, out, _ = run(capsys, "inspect", flat, "--key", EVIL["c1"], "--json")
+    assert code == 0 and out.isascii() and json.loads(out)["key"] == EVIL["c1"]
+
+
+# --- a graph too deep for recursion -------------------------------------------------------
+def _deep_checkpoint(tmp_path, depth=3000):
+    graph = TrackableObjectGraph()
+    for i in range(depth + 1):
+        node = graph.nodes.add()
+        if i < depth:
+            node.children.add(node_id=i + 1, local_name="a")
+    key = "/".join(["a"] * depth) + SUFFIX
+    graph.nodes[depth].attributes.add(name="VARIABLE_VALUE", full_name="w", checkpoint_key=key)
+    prefix = str(tmp_path / "deep")
+    write_bundle(prefix, {key: np.arange(2, dtype=np.float32),
+                          "_CHECKPOINTABLE_OBJECT_GRAPH": graph.SerializeToString()})
+    return prefix, key
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_3000_level_object_graph_prints(capsys, monkeypatch, tmp_path, terminal):
+    monkeypatch.setattr(cli, "_is_terminal", lambda: terminal)
+    prefix, key = _deep_checkpoint(tmp_path)
+    assert sys.getrecursionlimit() < 3000  # a recursive walk would fail
+    code, out, err = run(capsys, "inspect", prefix)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    # Deeper than rich's tree can show, a terminal gets the indented text too.
+    assert len(lines) == 3002 and lines[-1] == "1 values, 8 B"
+    assert [len(ln) - len(ln.lstrip(" ")) for ln in lines[1:-1]] == [2 * (d + 1) for d in range(3000)]
+    assert lines[-2].strip() == "a  float32 (2,) 8 B"
+    code, out, _ = run(capsys, "inspect", prefix, "--json")
+    rows = json.loads(out)["objects"]
+    assert code == 0 and [r["depth"] for r in rows] == list(range(3000)) and rows[-1]["values"][0]["key"] == key
+    assert run(capsys, "inspect", prefix, "--key", key[: -len(SUFFIX)])[0] == 0
+    assert run(capsys, "diff", prefix, prefix)[0] == 0
+
+
+def test_a_recursion_error_anywhere_is_one_line(capsys, monkeypatch):
+    def too_deep(*args):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(cli, "_tree_rows", too_deep)
+    code, _, err = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"))
+    assert_one_line_error(code, err, r".*tf_object: its object graph nests too deeply for this command")
+
+
+# --- --json, --only-diff, --version ----------------------------------------------------------
+def test_inspect_json_lists_what_tf_wrote(capsys):
+    record = TF_EXPECTED["tf_object"]
+    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["format"] == "TF object-based checkpoint" and data["values"] == len(record["tensors"])
+    keys = {k["key"]: k for k in data["keys"]}
+    assert set(keys) == set(record["tensors"])
+    for key, rec in record["tensors"].items():
+        dtype, shape, nbytes = tf_info(rec)
+        assert (keys[key]["dtype"], tuple(keys[key]["shape"]), keys[key]["bytes"]) == (dtype, shape, nbytes), key
+        assert keys[key]["in_object_graph"] and keys[key]["slices"] == 0
+    assert data["bytes"] == sum(k["bytes"] for k in keys.values())
+    # The object rows are the text tree's lines: same order, same labels.
+    _, text, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"))
+    assert [cli._row_label(r) for r in data["objects"]] == [ln.strip() for ln in text.splitlines()[1:-1]]
+    reached = {v["key"] for r in data["objects"] for v in r.get("values", [])}
+    assert reached == set(record["tensors"])
+
+
+def test_inspect_json_of_a_name_based_checkpoint_shows_slices(capsys):
+    record = TF_EXPECTED["tf_name"]
+    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_name"), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["objects"] is None and data["format"] == "TF name-based checkpoint"
+    assert {k["key"]: k["slices"] for k in data["keys"]} == {k: len(record["slices"].get(k, []))
+                                                             for k in record["tensors"]}
+
+
+def test_inspect_key_json(capsys):
+    name = "bert/embeddings/word_embeddings"
+    value = expected(name)
+    code, out, _ = run(capsys, "inspect", NAME_BASED, "--key", name, "--json")
+    data = json.loads(out)
+    assert code == 0 and (data["key"], data["dtype"], data["shape"], data["bytes"]) == (name, "float32", [6, 4],
+                                                                                        value.nbytes)
+    assert (data["min"], data["max"]) == (float(value.min()), float(value.max()))
+    assert data["mean"] == pytest.approx(value.astype(np.float64).mean(), rel=1e-12)
+    assert data["first_values"] == value.ravel()[:10].tolist() and data["more_values"] is True
+    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_low_precision", "ckpt"), "--key",
+                       f"model/float8_e4m3fn{SUFFIX}", "--json")
+    assert code == 0 and (json.loads(out)["min"], json.loads(out)["max"]) == (-2.0, 448.0)
+
+
+def _diff_pair(tmp_path):
+    tensors = {n: expected(n) for n in EXPECTED}
+    tensors["cls/weights"] = tensors["cls/weights"] + np.float32(0.25)
+    tensors["counts"] = tensors["counts"].astype(np.int64)
+    del tensors["scale"]
+    tensors["new/bias"] = np.zeros(3, np.float32)
+    other = str(tmp_path / "other")
+    write_bundle(other, tensors)
+    return other, tensors
+
+
+def test_diff_json_reports_what_the_text_reports(capsys, tmp_path):
+    other, tensors = _diff_pair(tmp_path)
+    code, out, _ = run(capsys, "diff", NAME_BASED, other, "--json")
+    data = json.loads(out)
+    assert code == 1 and data["match"] is False and data["shared_keys"] == len(EXPECTED) - 1 and data["atol"] == 0
+    assert data["only_in_a"] == [{"key": "scale", "dtype": "float64", "shape": [2]}]
+    assert data["only_in_b"] == [{"key": "new/bias", "dtype": "float32", "shape": [3]}]
+    assert data["dtype_or_shape_differs"] == [{"key": "counts", "a": {"key": "counts", "dtype": "int32", "shape": [3]},
+                                               "b": {"key": "counts", "dtype": "int64", "shape": [3]}}]
+    assert data["object_graph"] == "none"
+    values = {v["key"]: v for v in data["values"]}
+    diff = float(np.abs(expected("cls/weights").astype(np.float64) - tensors["cls/weights"]).max())
+    assert values["cls/weights"] == {"key": "cls/weights", "max_abs_diff": diff, "match": False}
+    assert values["global_step"] == {"key": "global_step", "max_abs_diff": 0.0, "match": True}
+    assert set(values) == set(EXPECTED) - {"scale", "counts"}
+
+
+def test_diff_only_diff_lists_only_differing_values(capsys, tmp_path):
+    other, _ = _diff_pair(tmp_path)
+    _, full, _ = run(capsys, "diff", NAME_BASED, other)
+    code, out, _ = run(capsys, "diff", NAME_BASED, other, "--only-diff")
+    assert code == 1
+    assert [ln.split() for ln in out.splitlines()] == [ln.split() for ln in full.splitlines()
+                                                       if not ln.endswith(" match")]
+    assert any(ln.startswith("cls/weights ") for ln in out.splitlines())
+    code, out, _ = run(capsys, "diff", NAME_BASED, other, "--only-diff", "--json")
+    assert [v["key"] for v in json.loads(out)["values"]] == ["cls/weights"]
+    code, out, _ = run(capsys, "diff", NAME_BASED, NAME_BASED, "--only-diff")  # a match: only the verdict
+    assert code == 0 and out == f"match ({len(EXPECTED)} shared keys, atol=0)\n"
+
+
+def test_diff_json_writes_nan_as_a_string(capsys, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_bundle(a, {"x": np.array([1.0, np.nan], np.float32)})
+    write_bundle(b, {"x": np.array([1.0, 2.0], np.float32)})
+    code, out, _ = run(capsys, "diff", a, b, "--json")
+    assert code == 1 and json.loads(out)["values"] == [{"key": "x", "max_abs_diff": "nan", "match": False}]
+
+
+def test_version(capsys):
+    from importlib import metadata
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out == f"varstate-ckpt {metadata.version('varstate')}\n"
+
+
+def _imported(argv):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "checkpoint", *argv], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    modules = {ln.split("|")[-1].strip() for ln in done.stderr.splitlines() if ln.startswith("import time:")}
+    return done, modules
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["inspect", os.path.join(TF_DIR, "ours_checkpoint", "ckpt-1")],
+                                  ["inspect", os.path.join(TF_DIR, "ours_checkpoint", "ckpt-1"), "--json"],
+                                  ["diff", NAME_BASED, NAME_BASED, "--json"]])
+def test_tf_checkpoints_and_version_import_neither_jax_nor_orbax(argv):
+    done, modules = _imported(argv)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "numpy" in modules or argv == ["--version"]  # the reference: importtime saw the imports
+    assert not {m for m in modules if m.split(".")[0] in ("jax", "jaxlib", "orbax", "flax")}

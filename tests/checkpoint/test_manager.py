@@ -1,5 +1,6 @@
 """CheckpointManager, latest_checkpoint and TF's `checkpoint` state file."""
 
+import json
 import os
 
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from google.protobuf import text_format
 
 import checkpoint
 import varstate
-from checkpoint import _storage
+from checkpoint import _publish, _storage
 from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
 
 TF_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tf_object_graph")
@@ -142,27 +143,58 @@ def test_checkpoint_save_lists_only_what_it_wrote_like_tf(tmp_path):
     mgr.close()
 
 
-def test_saving_a_step_again_unlists_it_while_it_is_rewritten(tmp_path, monkeypatch):
+def test_saving_an_existing_step_raises_unless_overwrite_and_the_old_one_stays_latest_until_replaced(
+        tmp_path, monkeypatch):
     mgr = checkpoint.CheckpointManager(str(tmp_path))
     mgr.save(1, m=model(1))
-    mgr.save(2, m=model(2))
+    with pytest.raises(checkpoint._manager.StepAlreadyExistsError,
+                       match=r"step 1 is already saved \(.*ckpt-1\)\. Pass overwrite=True to replace it"):
+        mgr.save(1, m=model(11))
+    assert issubclass(checkpoint._manager.StepAlreadyExistsError, ValueError)
+    assert mgr.restore(m=template()).m["w"].value.tolist() == [1.0] * 3  # nothing was written
     seen = []
-    original = checkpoint.Checkpoint.write
 
-    def spy(self, path, *args, **kwargs):
-        seen.append(checkpoint.latest_checkpoint(os.path.dirname(path)))
-        return original(self, path, *args, **kwargs)
+    def watch(original):
+        def spy(*args, **kwargs):
+            latest = checkpoint.latest_checkpoint(str(tmp_path))
+            seen.append((original.__name__, os.path.basename(latest),
+                         checkpoint.Checkpoint(m=template()).restore(latest).assert_consumed().m["w"].value.tolist()))
+            return original(*args, **kwargs)
+        return spy
 
-    monkeypatch.setattr(checkpoint.Checkpoint, "write", spy)
-    mgr.save(2, m=model(22))
-    assert seen == [str(tmp_path / "ckpt-1")]  # while ckpt-2 is rewritten, ckpt-1 is the latest
-    assert mgr.checkpoints == [str(tmp_path / "ckpt-1"), str(tmp_path / "ckpt-2")]
-    assert mgr.restore(m=template()).m["w"].value.tolist() == [22.0] * 3
-    only = checkpoint.CheckpointManager(str(tmp_path / "only"))
-    only.save(5, m=model(5))
-    monkeypatch.setattr(checkpoint.Checkpoint, "write", spy)
-    only.save(5, m=model(6))
-    assert seen[-1] is None and only.restore(m=template()).m["w"].value.tolist() == [6.0] * 3
+    for name in ("publish", "retire", "move_into_place", "remove"):
+        monkeypatch.setattr(_publish, name, watch(getattr(_publish, name)))
+    mgr.save(1, overwrite=True, m=model(11))
+    # While the new one is written and swapped in, the latest is the old one (under a stand-in's name
+    # while the path itself is being replaced); then the new one.
+    assert [(name, where.split(".")[0], w[0]) for name, where, w in seen] == [
+        ("publish", "ckpt-1", 1.0), ("retire", "ckpt-1", 1.0), ("move_into_place", "ckpt-1", 1.0),
+        ("remove", "ckpt-1", 11.0)]
+    assert ".varstate-standin-" in seen[2][1] and seen[3][1] == "ckpt-1"
+    monkeypatch.undo()
+    assert mgr.checkpoints == [str(tmp_path / "ckpt-1")] and mgr.all_steps() == [1]
+    assert mgr.restore(m=template()).assert_consumed().m["w"].value.tolist() == [11.0] * 3
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1"]
+    # A step on disk that the manager does not list (preserved, or written by Checkpoint.save) is refused too.
+    checkpoint.Checkpoint(m=model(7)).write(str(tmp_path / "ckpt-7"))
+    with pytest.raises(checkpoint._manager.StepAlreadyExistsError, match="step 7 is already saved"):
+        mgr.save(7, m=model(8))
+    assert mgr.should_save(7) is False
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "tf"])
+def test_overwriting_the_latest_step_of_a_reopened_manager(tmp_path, fmt):
+    first = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2, format=fmt)
+    for step in (1, 2):
+        first.save(step, m=model(step))
+    mgr = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2, format=fmt)
+    mgr.save(2, overwrite=True, m=model(22))
+    mgr.save(1, overwrite=True, m=model(11))  # saved again, it is the latest: saving order, as TF's manager
+    assert mgr.checkpoints == [str(tmp_path / "ckpt-2"), str(tmp_path / "ckpt-1")]
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-1")
+    assert mgr.restore(m=template()).assert_consumed().m["w"].value.tolist() == [11.0] * 3
+    assert mgr.restore(2, m=template()).assert_consumed().m["w"].value.tolist() == [22.0] * 3
+    assert not [n for n in os.listdir(tmp_path) if "varstate" in n or "tmp" in n]
 
 
 def test_a_reopened_manager_keeps_the_saving_order_of_the_state_file(tmp_path):
@@ -200,3 +232,169 @@ def test_latest_checkpoint_keeps_the_directory_as_given_through_a_symlink(tmp_pa
     assert checkpoint.latest_checkpoint(str(link)) == mgr.latest_checkpoint == str(link / "ckpt-1")
     assert checkpoint.read_checkpoint(str(link)).path == str(link / "ckpt-1")
     mgr.close()
+
+
+def small(x):
+    return {"w": jnp.full(2, float(x))}
+
+
+def test_latest_step_all_steps_and_should_save(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2, save_interval_steps=10)
+    assert mgr.latest_step() is None and mgr.all_steps() == []
+    assert [s for s in range(0, 41, 5) if mgr.should_save(s)] == [0, 10, 20, 30, 40]
+    for step in (30, 10, 20):  # resumed from step 10 after step 30 diverged: saving order, not step order
+        mgr.save(step, m=small(step))
+    assert mgr.latest_step() == 20 and mgr.all_steps() == [10, 20]
+    assert mgr.should_save(20) is False and mgr.should_save(30) is True and mgr.should_save(25) is False
+    reopened = checkpoint.CheckpointManager(str(tmp_path))
+    assert reopened.latest_step() == 20 and reopened.all_steps() == [10, 20]
+    with pytest.raises(ValueError, match=r"CheckpointManager\.should_save: step must be an int, got 2\.5"):
+        mgr.should_save(2.5)
+    with pytest.raises(ValueError, match=r"CheckpointManager\.save: step must be an int, got '3'"):
+        mgr.save("3", m=small(3))
+    with pytest.raises(ValueError, match=r"CheckpointManager\.restore: step must be >= 0, got -1"):
+        mgr.restore(-1, m=small(0))
+    with pytest.raises(ValueError, match="save_interval_steps must be a positive int, got 0"):
+        checkpoint.CheckpointManager(str(tmp_path), save_interval_steps=0)
+    assert mgr.save(np.int64(40), m=small(40)).endswith("ckpt-40")  # numpy integers are steps
+
+
+def test_async_steps_count_from_save_and_the_context_manager_waits_and_closes(tmp_path):
+    with checkpoint.CheckpointManager(str(tmp_path), async_save=True) as mgr:
+        path = mgr.save(5, m=model(5))
+        assert mgr.latest_step() == 5 and mgr.all_steps() == [5] and mgr.should_save(5) is False
+    assert mgr._thread is None and mgr._checkpointer is None  # waited, and orbax's threads released
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == path == mgr.latest_checkpoint
+    mgr.save(6, m=model(6))  # a closed manager saves again (it starts orbax's threads anew)
+    mgr.close()
+    assert mgr.all_steps() == [5, 6]
+
+
+def test_the_context_manager_waits_even_when_the_block_raises(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with checkpoint.CheckpointManager(str(tmp_path), async_save=True) as mgr:
+            mgr.save(1, m=model(1))
+            raise RuntimeError("boom")
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-1")
+
+
+def metrics_file(directory):
+    with open(os.path.join(directory, "checkpoint_manager.json")) as f:
+        return json.load(f)
+
+
+def test_best_fn_keeps_the_best_k_and_the_latest(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2, best_fn=lambda m: m["acc"])
+    for step, acc in ((1, 0.5), (2, 0.9), (3, 0.7), (4, 0.6), (5, 0.95)):
+        mgr.save(step, metrics={"acc": acc}, m=small(step))
+    # After step 4: the best two (2, 3) and the latest (4). After step 5: 5 and 2 are the best; 3 and 4 go.
+    assert mgr.all_steps() == [2, 5] and mgr.latest_step() == 5
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == ["ckpt-2", "ckpt-5"]
+    assert metrics_file(tmp_path) == {"format": "varstate-checkpoint-manager", "version": 1, "saving": {},
+                                      "metrics": {"ckpt-2": {"acc": 0.9}, "ckpt-5": {"acc": 0.95}}}
+    # Reopened, the manager knows the metrics of the checkpoints it keeps: 6 is worse than both, so it is
+    # kept only as the latest, and leaves when 7 comes.
+    reopened = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2, best_fn=lambda m: m["acc"])
+    reopened.save(6, metrics={"acc": 0.1}, m=small(6))
+    assert reopened.all_steps() == [2, 5, 6]
+    reopened.save(7, metrics={"acc": 0.2}, m=small(7))
+    assert reopened.all_steps() == [2, 5, 7]
+    assert reopened.restore(2, m=small(0)).assert_consumed().m["w"].tolist() == [2.0, 2.0]
+
+
+def test_best_fn_ties_missing_metrics_and_min_mode(tmp_path):
+    def loss(m):
+        return m["loss"]
+
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "min"), max_to_keep=2, best_fn=loss, best_mode="min")
+    saves = [(1, {"loss": 0.3}), (2, None), (3, {"loss": 0.3}), (4, {"other": 1.0}), (5, {"loss": float("nan")}),
+             (6, {"loss": 0.5})]
+    kept = []
+    for step, metrics in saves:
+        mgr.save(step, metrics=metrics, m=small(step))
+        kept.append(mgr.all_steps())
+    # Without a score (no metrics, no "loss", NaN) ranks below every scored one, more recent first among
+    # them; equal scores: the more recent is kept. The latest is always kept.
+    assert kept == [[1], [1, 2], [1, 3], [1, 3, 4], [1, 3, 5], [1, 3, 6]]
+    best = checkpoint.CheckpointManager(str(tmp_path / "max"), max_to_keep=1, best_fn=loss)
+    for step, value in ((1, 2.0), (2, 2.0), (3, 1.0)):
+        best.save(step, metrics={"loss": value}, m=small(step))
+    assert best.all_steps() == [2, 3]  # 2 beats 1 on the tie, by recency
+    plain = checkpoint.CheckpointManager(str(tmp_path / "plain"), max_to_keep=1)
+    plain.save(1, metrics={"acc": np.float32(0.5), "epoch": jnp.int32(3)}, m=small(1))  # kept without best_fn
+    assert metrics_file(tmp_path / "plain")["metrics"] == {"ckpt-1": {"acc": 0.5, "epoch": 3}}
+    plain.save(2, m=small(2))  # ckpt-1 and its metrics go: the file goes with the last metrics
+    assert sorted(os.listdir(tmp_path / "plain")) == ["checkpoint", "ckpt-2"]
+
+
+def test_metrics_of_a_step_saved_again_replace_the_old_ones(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), best_fn=lambda m: m["acc"])
+    mgr.save(1, metrics={"acc": 0.1}, m=small(1))
+    mgr.save(1, overwrite=True, metrics={"acc": 0.2}, m=small(1))
+    assert metrics_file(tmp_path)["metrics"] == {"ckpt-1": {"acc": 0.2}}
+    mgr.save(1, overwrite=True, m=small(1))
+    assert not os.path.exists(tmp_path / "checkpoint_manager.json")
+
+
+def test_metrics_and_best_fn_errors(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), best_fn=lambda m: m.get("acc", "high"))
+    with pytest.raises(ValueError, match=r"metrics must be a dict of str to numbers, got list\. The keyword "
+                                         r"'metrics' is reserved"):
+        mgr.save(1, metrics=[0.5], m=small(1))
+    with pytest.raises(ValueError, match=r"metrics\['acc'\] must be a real number, got 'high'; pass a scalar"):
+        mgr.save(1, metrics={"acc": "high"}, m=small(1))
+    with pytest.raises(ValueError, match=r"metrics\['acc'\] must be a real number, got Array\(\[1\., 2\.\]"):
+        mgr.save(1, metrics={"acc": jnp.ones(2) * jnp.array([1.0, 2.0])}, m=small(1))
+    with pytest.raises(ValueError, match="metric names must be str, got 3"):
+        mgr.save(1, metrics={3: 1.0}, m=small(1))
+    with pytest.raises(ValueError, match=r"best_fn returned 'high' for the metrics \{'loss': 1\.0\} of .*ckpt-1; "
+                                         r"it must return a number"):
+        mgr.save(1, metrics={"loss": 1.0}, m=small(1))
+    assert os.listdir(tmp_path) == []  # refused before anything was written
+    with pytest.raises(ValueError, match="best_mode must be 'max' or 'min', got 'best'"):
+        checkpoint.CheckpointManager(str(tmp_path), best_fn=len, best_mode="best")
+    with pytest.raises(ValueError, match=r"best_fn must be callable \(metrics -> number\), got 'acc'"):
+        checkpoint.CheckpointManager(str(tmp_path), best_fn="acc")
+    with pytest.raises(ValueError, match="unknown format 'zip'; expected 'orbax' or 'tf'"):
+        checkpoint.CheckpointManager(str(tmp_path), format="zip")
+    journal = tmp_path / "checkpoint_manager.json"
+    journal.write_text('{"format": "varstate-checkpoint-manager", "version": 1, "metrics": {"ckpt-1": {"acc": "x"}}}')
+    with pytest.raises(checkpoint.CheckpointFormatError,
+                       match=r"checkpoint_manager.json: not a CheckpointManager file \(the metrics of 'ckpt-1' are "
+                             r"not an object of numbers\)\. Delete it to forget the metrics; the checkpoints"):
+        checkpoint.CheckpointManager(str(tmp_path))
+    journal.write_text('{"format": "varstate-checkpoint-manager", "version": 1, "saving": {"ckpt-1": {}}}')
+    with pytest.raises(checkpoint.CheckpointFormatError, match=r"the save in flight 'ckpt-1' is not \{'since'"):
+        checkpoint.CheckpointManager(str(tmp_path))
+    journal.write_text('{"format": "varstate-checkpoint-manager", "version": 2}')
+    with pytest.raises(checkpoint.CheckpointFormatError, match="version 2; this reader knows version 1"):
+        checkpoint.CheckpointManager(str(tmp_path))
+    journal.write_text("{not json")
+    with pytest.raises(checkpoint.CheckpointFormatError, match="not a CheckpointManager file"):
+        checkpoint.CheckpointManager(str(tmp_path))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_tf_format_manager_writes_tensorbundles(tmp_path, async_save):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2, format="tf", async_save=async_save)
+    for step in (1, 2, 3):
+        mgr.save(step, m=model(step))
+    mgr.wait_until_finished()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index",
+                                            "ckpt-3.data-00000-of-00001", "ckpt-3.index"]
+    assert state_file(str(tmp_path)).model_checkpoint_path == "ckpt-3"
+    reader = _storage.BundleReader(str(tmp_path / "ckpt-3"))  # TF's TensorBundle: what TensorFlow restores
+    assert reader.get("save_counter/.ATTRIBUTES/VARIABLE_VALUE") == 3
+    assert reader.get("m/w/.ATTRIBUTES/VARIABLE_VALUE").tolist() == [3.0] * 3
+    status = mgr.restore(m=template()).assert_consumed()
+    np.testing.assert_array_equal(status.m["big"], np.full(300_000, 3.0, np.float32))
+    mgr.close()
+
+
+def test_manager_restore_strict(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path))
+    mgr.save(1, m=model(1), extra=jnp.ones(2))
+    assert mgr.restore(m=template(), extra=jnp.zeros(2), strict=True).extra.tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"strict=True\): Unresolved object in checkpoint \(root\)\.extra"):
+        mgr.restore(1, m=template(), strict=True)
+    assert mgr.restore(m=template()).m["w"].value.tolist() == [1.0] * 3  # TF's default: a partial match is fine

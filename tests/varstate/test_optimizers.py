@@ -416,7 +416,9 @@ def test_all_gradients_none_is_an_error_as_in_tf():
 def test_state_from_other_params_and_uninitialized_variables():
     opt = Adam()
     state = opt.init({"w": Variable(jnp.ones(2), name="w", trainable=False)})
-    with pytest.raises(ValueError, match=r"no slot 'm' for 'w2(_\d+)?'.*Call opt.init\(params\)"):
+    with pytest.raises(ValueError, match=r"no slot 'm' for 'w2(_\d+)?' \(params\['w'\]\): the state holds nothing "
+                                         r"there\. The state was made for other params .*call `state = "
+                                         r"opt\.init\(params, state\)` first \(outside jit\)"):
         opt.update({"w": jnp.ones(2)}, {"w": Variable(jnp.ones(2), name="w2")}, state)
     with pytest.raises(ValueError, match=r"'u(_\d+)?' is uninitialized"):
         opt.init([varstate.uninitialized((2,), jnp.float32, name="u")])

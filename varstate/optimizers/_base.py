@@ -20,11 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
-from varstate._variable import Variable
+from varstate._variable import Variable, owning_variable
 from varstate.optimizers import _step
-from varstate.optimizers._matching import _flatten_grads, _gradients_by_owner, _is_var, _label, _owners, _value
+from varstate.optimizers._matching import _flatten_grads, _gradients_by_owner, _is_var, _like, _owners, _value
 from varstate.optimizers._rows import _dedupe
-from varstate.optimizers._slots import _make_slot, _scalar_placement
+from varstate.optimizers._slots import (
+    Existing,
+    _make_slot,
+    _scalar_placement,
+    check_non_slots,
+    check_slots,
+    param_want,
+)
 from varstate.optimizers._state import OptimizerState
 
 Hyper = float | Callable[[Any], Any]  # a hyperparameter: a float or a callable of the step
@@ -36,9 +43,10 @@ class Optimizer:
 
     Public API:
 
-    - ``init(params) -> OptimizerState``: creates slot Variables (named
-      ``<primary>/<slot>``, linked to the primary by resource id, with its
-      dtype and sharding) and non-slot Variables. Call it outside jit.
+    - ``init(params, state=None) -> OptimizerState``: creates slot Variables
+      (named ``<primary>/<slot>``, linked to the primary by resource id, with
+      its dtype and sharding) and non-slot Variables; given a `state`, keeps
+      what it holds for these params and creates the rest. Call it outside jit.
     - ``update(grads, params, state, step=None) -> (params, state)``: the pure,
       un-jitted step; use it inside your own ``jax.jit`` (a wrapper such as a
       loss-scale optimizer calls this).
@@ -69,7 +77,10 @@ class Optimizer:
       ``_dedup = False`` (then raw indices, duplicates included);
     - ``_finish(h, non_slots) -> non_slots`` runs once per step.
 
-    A wrapper overrides ``init``/``update`` and delegates to an inner optimizer.
+    A wrapper overrides ``init``/``update`` and delegates to an inner optimizer;
+    its ``update`` raises the `StateMismatchError` of ``check_slots`` /
+    ``check_non_slots`` (``_slots.py``) for state it lacks, and its ``init``
+    takes ``state`` to create it, so ``apply_gradients`` can.
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import GradientDescent
@@ -116,17 +127,32 @@ class Optimizer:
         return non_slots
 
     # --- public API -----------------------------------------------------
-    def init(self, params: Any) -> OptimizerState:
+    def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
         """Slots for every trainable param and the non-slot variables (call outside jit).
+
+        With `state`, keeps the state's slots for these params (found by the
+        primary's identity; a plain-array param's by position) and its
+        non-slots, and creates the missing ones with their initial values, as
+        TF's optimizers create a slot only where none exists. `apply_gradients`
+        does this itself when params arrive without state (a re-created model);
+        a caller of `update` under its own jit calls it first. A kept slot whose
+        shape or dtype does not fit its param is a ValueError naming both.
 
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Momentum
         >>> w = varstate.Variable(jnp.zeros(2), name="dense/kernel")
-        >>> Momentum(0.1, momentum=0.9).init([w]).slots["momentum"][0].name
+        >>> state = Momentum(0.1, momentum=0.9).init([w])
+        >>> state.slots["momentum"][0].name
         'dense/kernel/momentum'
+        >>> b = varstate.Variable(jnp.zeros(3), name="dense/bias")
+        >>> grown = Momentum(0.1, momentum=0.9).init([w, b], state)
+        >>> grown.get_slot(w, "momentum") is state.get_slot(w, "momentum"), grown.get_slot(b, "momentum").name
+        (True, 'dense/bias/momentum')
         """
-        leaves, p_def = jax.tree.flatten(params, is_leaf=_is_var)
+        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
+        leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         owners = _owners(leaves)
+        existing = Existing(state, p_def, paths)
         slots = {}
         for slot_name, fill in self._slot_inits().items():
             made = []
@@ -136,15 +162,19 @@ class Optimizer:
                 elif owners[i] != i:  # a shared variable (tied weights): one slot, at every place
                     made.append(made[owners[i]])
                 else:
-                    made.append(_make_slot(p, slot_name, fill))
+                    kept = existing.get(slot_name, i, p)
+                    made.append(kept if kept is not None else _make_slot(p, slot_name, fill))
             slots[slot_name] = p_def.unflatten(made)
-        non_slots = {}
+        for name in existing.names:  # another optimizer's slots: carried as they are
+            slots.setdefault(name, state.slots[name])
+        non_slots = dict(existing.non_slots)
         first = next((p for p in leaves if isinstance(p, Variable)), None)
         registry = first.handle.registry if first is not None else None
         placement = _scalar_placement(first)
         for name, value in self._non_slot_inits().items():
-            value = jnp.asarray(value, jnp.float32, device=placement)
-            non_slots[name] = Variable(value, name=name, trainable=False, registry=registry)
+            if name not in non_slots:
+                value = jnp.asarray(value, jnp.float32, device=placement)
+                non_slots[name] = owning_variable(value, name=name, trainable=False, registry=registry)
         return OptimizerState(slots=slots, non_slots=non_slots)
 
     def hyperparameters(self, step: Any = None) -> dict[str, Any]:
@@ -180,8 +210,14 @@ class Optimizer:
         """
         p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
         owners = _owners(p_leaves)
-        slot_names = list(state.slots)
-        slot_leaves = {n: p_def.flatten_up_to(state.slots[n]) for n in slot_names}
+        slot_names = list(self._slot_inits())
+
+        def want(i, _):  # every trainable param has its slots (init's rule)
+            p = p_leaves[i]
+            return None if isinstance(p, Variable) and not p.trainable else param_want(p)
+
+        slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
+        check_non_slots(state, self._non_slot_inits())
         non_slots = {k: v._value for k, v in state.non_slots.items()}
         if isinstance(step, Variable):
             step = step.read_value()
@@ -192,15 +228,7 @@ class Optimizer:
         for i, g in work.items():
             p = p_leaves[i]
             var = _value(p)
-            slots = {}
-            for n in slot_names:
-                s = slot_leaves[n][i]
-                if s is None:
-                    raise ValueError(
-                        f"apply_gradients: no slot {n!r} for {_label(paths[i], p)}; the state was made by init() "
-                        "for other params. Call opt.init(params) with these params."
-                    )
-                slots[n] = _value(s)
+            slots = {n: _value(slot_leaves[n][i]) for n in slot_names}
             if isinstance(g, IndexedSlices):
                 values, indices = g.values, g.indices
                 if self._dedup:
@@ -208,10 +236,11 @@ class Optimizer:
                 var, slots = self._sparse(h, values, indices, var, slots, non_slots)
             else:
                 var, slots = self._dense(h, g, var, slots, non_slots)
+            var = _like(var, _value(p))
             new_p[i] = p._with_value(var) if isinstance(p, Variable) else var
             for n in slot_names:
-                s = slot_leaves[n][i]
-                new_slots[n][i] = s._with_value(slots[n]) if isinstance(s, Variable) else slots[n]
+                s, value = slot_leaves[n][i], _like(slots[n], _value(p))
+                new_slots[n][i] = s._with_value(value) if isinstance(s, Variable) else value
         for j, i in enumerate(owners):
             if i != j and i in work:
                 new_p[j] = new_p[i]
@@ -219,7 +248,8 @@ class Optimizer:
                     new_slots[n][j] = new_slots[n][i]
         non_slots = self._finish(h, non_slots)
         state = OptimizerState(
-            slots={n: p_def.unflatten(new_slots[n]) for n in slot_names},
+            # Slots of another optimizer's (kept by init(params, state)) pass through untouched.
+            slots={**state.slots, **{n: p_def.unflatten(new_slots[n]) for n in slot_names}},
             non_slots={k: v._with_value(non_slots[k]) for k, v in state.non_slots.items()},
         )
         return p_def.unflatten(new_p), state
@@ -228,6 +258,14 @@ class Optimizer:
         self, grads: Any, params: Any, state: OptimizerState, step: Any = None
     ) -> tuple[Any, OptimizerState]:
         """`update` under jit with `params` and `state` donated (their old buffers are deleted).
+
+        Every new param, and its slots, keeps the param's sharding whatever
+        the gradient's (TF updates a variable on its device; the donated
+        buffers are then reused). Params without state (a re-created model, a
+        state made for another model) get their slots and non-slots created
+        with initial values first, outside jit (`init(params, state)`), as TF's
+        optimizers create missing slots. Reading a version given to a step
+        raises `varstate.DonatedVariableError`: use the returned ones.
 
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Adam

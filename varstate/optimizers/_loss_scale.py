@@ -10,9 +10,9 @@ import jax.numpy as jnp
 
 from varstate._global_step import int64_counter
 from varstate._indexed_slices import IndexedSlices
-from varstate._variable import Variable
+from varstate._variable import Variable, owning_variable
 from varstate.optimizers._base import Optimizer
-from varstate.optimizers._slots import _scalar_placement
+from varstate.optimizers._slots import _scalar_placement, check_non_slots
 from varstate.optimizers._state import OptimizerState
 
 _SCALE, _GOOD = "current_loss_scale", "good_steps"  # Keras's variable names (checkpoint keys)
@@ -99,9 +99,17 @@ class LossScaleOptimizer(Optimizer):
                 raise ValueError(f"LossScaleOptimizer: growth_interval must be a positive integer, got {growth!r}.")
             object.__setattr__(self, "growth_interval", int(growth))
 
-    def init(self, params: Any) -> OptimizerState:
-        """The inner optimizer's state plus ``current_loss_scale`` and ``good_steps`` (when dynamic)."""
-        state = self.inner_optimizer.init(params)
+    def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
+        """The inner optimizer's state plus ``current_loss_scale`` and ``good_steps`` (when dynamic).
+
+        With `state`, keeps what it holds for these params and creates the rest (see `Optimizer.init`).
+        """
+        kept = {}
+        if state is not None and self.dynamic:
+            non_slots = dict(state.non_slots)
+            kept = {k: non_slots.pop(k) for k in (_SCALE, _GOOD) if k in non_slots}
+            state = OptimizerState(slots=state.slots, non_slots=non_slots)
+        state = self.inner_optimizer.init(params, state)
         if not self.dynamic:
             return state
         taken = set(state.non_slots) & {_SCALE, _GOOD}
@@ -111,10 +119,12 @@ class LossScaleOptimizer(Optimizer):
                       if isinstance(p, Variable)), None)
         registry = first.handle.registry if first is not None else None
         placement = _scalar_placement(first)  # with the inner optimizer's non-slots
-        non_slots = dict(state.non_slots)
-        scale = jnp.asarray(self.initial_scale, jnp.float32, device=placement)
-        non_slots[_SCALE] = Variable(scale, name=_SCALE, trainable=False, registry=registry)
-        non_slots[_GOOD] = int64_counter(_GOOD, registry, placement)  # Keras: int64
+        non_slots = {**state.non_slots, **kept}
+        if _SCALE not in non_slots:
+            scale = jnp.asarray(self.initial_scale, jnp.float32, device=placement)
+            non_slots[_SCALE] = owning_variable(scale, name=_SCALE, trainable=False, registry=registry)
+        if _GOOD not in non_slots:
+            non_slots[_GOOD] = int64_counter(_GOOD, registry, placement)  # Keras: int64
         return OptimizerState(slots=state.slots, non_slots=non_slots)
 
     def loss_scale(self, state: OptimizerState) -> Any:
@@ -149,6 +159,7 @@ class LossScaleOptimizer(Optimizer):
         """The inner update if every gradient is finite, else params and inner state unchanged; then the scale."""
         if not self.dynamic:
             return self.inner_optimizer.update(grads, params, state, step)
+        check_non_slots(state, (_SCALE, _GOOD))
         non_slots = dict(state.non_slots)
         scale_var, good_var = non_slots.pop(_SCALE), non_slots.pop(_GOOD)
         inner_state = OptimizerState(slots=state.slots, non_slots=non_slots)

@@ -39,6 +39,29 @@ def _label(path: tuple, p: Any) -> str:
     return f"{p.name!r} (params{where})" if isinstance(p, Variable) else f"params{where}"
 
 
+def _explicit_sharding(value: Any) -> Any:
+    """The sharding in `value`'s type when its mesh has Explicit axes (then it is part of the type), else None."""
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return sharding
+    return None
+
+
+def _like(new: Any, param: Any) -> Any:
+    """`new` (a gradient, a new value or slot of `param`) on `param`'s sharding when that is part of the type.
+
+    TF applies an update on the variable's device; with Explicit mesh axes the
+    shardings are types, so a gradient sharded otherwise is moved to the
+    param's first (else the arithmetic mixes both, or refuses), and the
+    results keep the param's type (a `lax.cond` over the step needs it).
+    """
+    want = _explicit_sharding(param)
+    if want is None or tuple(new.shape) != tuple(param.shape) or jax.typeof(new).sharding == want:
+        return new
+    return jax.sharding.reshard(new, want)
+
+
 def _first_difference(grads: Any, params: Any) -> str:
     """The first key path present in one tree and not in the other, as a readable string."""
     def paths(tree, is_leaf):
@@ -170,6 +193,8 @@ def _gradients_by_owner(p_leaves: list, g_leaves: list, paths: list, owners: lis
         g = _convert_grad(g, _value(p), label)
         if isinstance(g, IndexedSlices):
             _check_indices_range(g.indices, _value(p).shape[0], label)
+        else:
+            g = _like(g, _value(p))
         work[owners[i]] = g if owners[i] not in work else _sum_grads(work[owners[i]], g, _value(p).shape)
     if not work:
         raise ValueError(

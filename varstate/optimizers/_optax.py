@@ -17,10 +17,11 @@ from varstate.optimizers._matching import (
     _flatten_grads,
     _is_var,
     _label,
+    _like,
     _owners,
     _value,
 )
-from varstate.optimizers._slots import _scalar_placement, make_slot
+from varstate.optimizers._slots import Existing, _scalar_placement, check_non_slots, check_slots, make_slot
 from varstate.optimizers._state import OptimizerState
 
 
@@ -71,21 +72,27 @@ class _OptaxOptimizer(Optimizer):
             for i, p in enumerate(p_leaves)
         ])
 
-    def init(self, params: Any) -> OptimizerState:
-        p_leaves, p_def = jax.tree.flatten(params, is_leaf=_is_var)
+    def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
+        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
+        p_leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         values = self._values(p_leaves, p_def)
         opt_state = self.tx.init(values)
         outer, names = _layout(opt_state, values)
+        existing = Existing(state, p_def, paths)
         first = next((p for p in p_leaves if isinstance(p, Variable)), None)
         registry = first.handle.registry if first is not None else None
         slots, non_slots = {}, {}
         for part, (name, is_slot) in zip(outer.flatten_up_to(opt_state), names, strict=True):
             if is_slot:
-                made = [
-                    None if s is None else make_slot(p, name, s) if isinstance(p, Variable) else s
-                    for p, s in zip(p_leaves, p_def.flatten_up_to(part), strict=True)
-                ]
+                made = []
+                for i, (p, s) in enumerate(zip(p_leaves, p_def.flatten_up_to(part), strict=True)):
+                    kept = None if s is None else existing.get(name, i, p, (s.shape, s.dtype))
+                    # Copied: an optax state may hold the params' own arrays, and both are donated.
+                    made.append(kept if kept is not None else None if s is None else
+                                make_slot(p, name, s) if isinstance(p, Variable) else s)
                 slots[name] = p_def.unflatten([made[i] for i in _owners(p_leaves)])
+            elif name in existing.non_slots:
+                non_slots[name] = existing.non_slots[name]
             else:
                 placement = _scalar_placement(first)  # replicated over the first variable's mesh, as the base's
                 part = part if placement is None else jax.device_put(part, placement)
@@ -111,13 +118,23 @@ class _OptaxOptimizer(Optimizer):
         # TF skips a variable without gradient: feed zeros, then keep its old value and slots.
         skipped = [i for i, v in enumerate(v_leaves) if v is not None and i not in summed]
         dense = [None if v is None else summed.get(i, jnp.zeros_like(v)) for i, v in enumerate(v_leaves)]
-        outer, names = _layout(jax.eval_shape(self.tx.init, values), values)
+        shapes = jax.eval_shape(self.tx.init, values)
+        outer, names = _layout(shapes, values)
+        slot_names = [name for name, is_slot in names if is_slot]
+        wants = {name: p_def.flatten_up_to(part)
+                 for part, (name, is_slot) in zip(outer.flatten_up_to(shapes), names, strict=True) if is_slot}
+
+        def want(i, name):
+            s = wants[name][i]
+            return None if s is None or v_leaves[i] is None else (s.shape, s.dtype)
+
+        slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
+        check_non_slots(state, [name for name, is_slot in names if not is_slot])
         parts = []
         for name, is_slot in names:
             if is_slot:
                 parts.append(p_def.unflatten([
-                    None if v is None else _value(s)
-                    for s, v in zip(p_def.flatten_up_to(state.slots[name]), v_leaves, strict=True)
+                    None if v is None else _value(s) for s, v in zip(slot_leaves[name], v_leaves, strict=True)
                 ]))
             else:
                 parts.append(state.non_slots[name]._value)
@@ -128,7 +145,7 @@ class _OptaxOptimizer(Optimizer):
             if v is None or i in skipped:
                 new_p.append(p)
                 continue
-            new_v = (v + u).astype(v.dtype)
+            new_v = _like((v + u).astype(v.dtype), v)
             new_p.append(p._with_value(new_v) if isinstance(p, Variable) else new_v)
         new_p = [new_p[i] for i in owners]
         slots, non_slots = {}, {}
@@ -136,6 +153,7 @@ class _OptaxOptimizer(Optimizer):
             if is_slot:
                 old = p_def.flatten_up_to(state.slots[name])
                 new = p_def.flatten_up_to(part)
+                new = [n if n is None or v is None else _like(n, v) for n, v in zip(new, v_leaves, strict=True)]
                 made = [
                     o if o is None or n is None or i in skipped else o._with_value(n) if isinstance(o, Variable) else n
                     for i, (o, n) in enumerate(zip(old, new, strict=True))

@@ -2,7 +2,7 @@
 
 Short by default; for a long run by hand:
 
-    TF_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest tests/test_tf_fuzz.py -q
+    TF_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest tests/checkpoint/storage/test_tf_fuzz.py -q
 """
 
 import os

@@ -1,0 +1,101 @@
+"""flax nnx interop: an nnx Module's state as varstate Variables, and back.
+
+`from_nnx` turns the state of an nnx Module (or an `nnx.State`) into a
+nested dict of `varstate.Variable`s keyed by the nnx path, each named by
+that path (``layers/0/kernel``) and trainable when its nnx type is a
+`nnx.Param`. varstate's optimizers then step it with TF's numerics and
+`checkpoint` saves it under TF's keys; `to_nnx` writes the values back into
+the Module (`nnx.update`). RNG state (`nnx.RngKey`, `nnx.RngCount`) is left
+to nnx: it is not a parameter and is restored by the Module's own code.
+
+>>> import jax.numpy as jnp, varstate
+>>> from flax import nnx
+>>> from varstate.nnx import from_nnx, to_nnx
+>>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+>>> params = from_nnx(model, registry=varstate.Registry())
+>>> params["kernel"].name, params["kernel"].trainable, params["kernel"].shape
+('kernel', True, (2, 3))
+>>> to_nnx(model, {"kernel": params["kernel"].assign(jnp.ones((2, 3))), "bias": params["bias"]})
+>>> float(model.kernel[...].sum())
+6.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from varstate._registry import Registry
+from varstate._variable import Variable
+
+__all__ = ["from_nnx", "to_nnx"]
+
+
+def _nnx():
+    from flax import nnx  # flax is a dependency; imported here so `import varstate` stays light
+
+    return nnx
+
+
+def _flat(module_or_state: Any) -> list[tuple[tuple, Any]]:
+    nnx = _nnx()
+    if isinstance(module_or_state, nnx.Module):
+        state = nnx.state(module_or_state)
+    elif isinstance(module_or_state, nnx.State):
+        state = module_or_state
+    else:
+        raise TypeError(
+            f"from_nnx: expected an nnx.Module or nnx.State, got {type(module_or_state).__name__}. "
+            "For a plain pytree of arrays, build Variables with varstate.Variable."
+        )
+    rng_types = (nnx.RngKey, nnx.RngCount)
+    return [(tuple(path), var) for path, var in nnx.to_flat_state(state) if not isinstance(var, rng_types)]
+
+
+def from_nnx(module_or_state: Any, *, registry: Registry | None = None) -> dict[Any, Any]:
+    """The nnx state as a nested dict of Variables keyed by nnx path; see the module docstring.
+
+    Each Variable copies its value (as `varstate.Variable` does), so a donated
+    optimizer step never deletes the Module's arrays.
+    """
+    nnx = _nnx()
+    out: dict[Any, Any] = {}
+    for path, var in _flat(module_or_state):
+        name = "/".join(str(p) for p in path)
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = Variable(var.get_value(), name=name, trainable=isinstance(var, nnx.Param),
+                                  registry=registry)
+    return out
+
+
+def to_nnx(module: Any, params: Any) -> None:
+    """Writes the values of `params` (as made by `from_nnx`, or a subset of it) into `module` (`nnx.update`).
+
+    Raises KeyError naming the first path of `params` that the Module does not
+    have, and ValueError naming a path whose shape or dtype differs.
+    """
+    nnx = _nnx()
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"to_nnx: expected an nnx.Module, got {type(module).__name__}.")
+    current = dict(_flat(module))
+    updates = []
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, (*path, k))
+            return
+        value = node.value if isinstance(node, Variable) else node
+        target = current.get(path)
+        if target is None:
+            raise KeyError(f"to_nnx: the Module has no variable at {'/'.join(map(str, path))!r}; its paths are "
+                           f"{sorted('/'.join(map(str, p)) for p in current)[:10]}.")
+        old = target.get_value()
+        if tuple(old.shape) != tuple(value.shape) or old.dtype != value.dtype:
+            raise ValueError(f"to_nnx: {'/'.join(map(str, path))!r} is {value.dtype}{list(value.shape)}, the "
+                             f"Module holds {old.dtype}{list(old.shape)}.")
+        updates.append((path, target.replace(value)))
+
+    walk(params, ())
+    nnx.update(module, nnx.from_flat_state(updates))
