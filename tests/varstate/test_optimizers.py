@@ -12,7 +12,20 @@ import pytest
 import checkpoint
 import varstate
 from varstate import IndexedSlices, Variable
-from varstate.optimizers import Adagrad, Adam, GradientDescent, Momentum, Optimizer, RMSProp, from_optax
+from varstate.optimizers import (
+    Adadelta,
+    Adagrad,
+    AdagradDA,
+    Adam,
+    Ftrl,
+    GradientDescent,
+    Momentum,
+    Optimizer,
+    ProximalAdagrad,
+    ProximalGradientDescent,
+    RMSProp,
+    from_optax,
+)
 from varstate.optimizers._step import _jitted_update
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # tests/data
@@ -200,6 +213,13 @@ def emb_after_one_step():
 
 
 # --- conformance over every optimizer -----------------------------------------------------------
+class _AdagradDAAtStepZero(AdagradDA):
+    """AdagradDA for the step-less conformance checks: the global step is 0 unless given."""
+
+    def hyperparameters(self, step=None):
+        return super().hyperparameters(0 if step is None else step)
+
+
 ALL = {
     "gd": lambda: GradientDescent(0.1),
     "momentum": lambda: Momentum(0.1, 0.9, use_nesterov=True),
@@ -208,6 +228,13 @@ ALL = {
     "adagrad": lambda: Adagrad(0.1),
     "rmsprop": lambda: RMSProp(0.1, momentum=0.5, centered=True),
     "optax_adam": lambda: from_optax(optax.adam(0.1)),
+    "adadelta": lambda: Adadelta(1.0, rho=0.9, epsilon=1e-6),
+    "adagrad_da": lambda: _AdagradDAAtStepZero(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
+    "ftrl": lambda: Ftrl(0.1, learning_rate_power=-0.6, l1_regularization_strength=0.01,
+                         l2_shrinkage_regularization_strength=0.1),
+    "proximal_adagrad": lambda: ProximalAdagrad(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
+    "proximal_gd": lambda: ProximalGradientDescent(0.1, l1_regularization_strength=0.01,
+                                                   l2_regularization_strength=0.1),
 }
 
 
