@@ -440,8 +440,10 @@ def test_crafted_nesting_and_archive_expansion_are_refused(tmp_path, monkeypatch
     with pytest.raises(CheckpointFormatError, match="the object graph nests more than 100 levels below a layer"):
         keras.load_weights(_write(str(tmp_path / "chain"), chain))
 
-    monkeypatch.setattr(keras, "_BOMB_FLOOR_BYTES", 1000)
-    monkeypatch.setattr(keras, "_BOMB_MAX_RATIO", 10)
+    from checkpoint import _keras_read  # where the readers and their bounds live
+
+    monkeypatch.setattr(_keras_read, "_BOMB_FLOOR_BYTES", 1000)
+    monkeypatch.setattr(_keras_read, "_BOMB_MAX_RATIO", 10)
     path = tmp_path / "big.keras"
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
         z.writestr("model.weights.h5", b"\0" * 100_000)

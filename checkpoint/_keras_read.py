@@ -1,0 +1,587 @@
+"""Reading Keras weights files for `checkpoint.keras`: the HDF5 and TF-checkpoint readers and the result type.
+
+Split from `keras.py` (the public verbs) so each stays readable; see that module's docstring for the formats.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import zipfile
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import varstate
+from checkpoint import _dtypes, _keys
+from checkpoint._errors import CheckpointFormatError
+
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+_KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"  # the weights file inside a .keras zip archive
+_VARS = "vars"  # Keras 3: the group holding one object's own weights, named "0", "1", ...
+_OPTIMIZER = "optimizer"
+# A dataset may declare more bytes than the file stores (compression, fill values); past this size the
+# ratio is bounded, so a crafted file cannot make a read allocate gigabytes from a few stored bytes.
+_BOMB_FLOOR_BYTES = 64 << 20
+_BOMB_MAX_RATIO = 1024
+_MAX_DEPTH = 100  # groups (HDF5) or object-graph levels; a real Keras model nests a handful
+
+_KERNEL_BIAS = {1: ("kernel",), 2: ("kernel", "bias")}
+_SEPARABLE = {2: ("depthwise_kernel", "pointwise_kernel"), 3: ("depthwise_kernel", "pointwise_kernel", "bias")}
+_RNN_CELL = {2: ("kernel", "recurrent_kernel"), 3: ("kernel", "recurrent_kernel", "bias")}
+# Keras 3 built-in layers: the names of the weights `save_own_variables` stores, by how many it stores
+# (trainable ones first, in creation order, then non-trainable ones). A count with two meanings
+# (BatchNormalization with center or scale off stores 3) is left out: those weights stay positional.
+BUILTIN_WEIGHT_NAMES: dict[str, dict[int, tuple[str, ...]]] = {
+    **{
+        k: _KERNEL_BIAS
+        for k in (
+            "dense", "einsum_dense", "conv1d", "conv2d", "conv3d", "conv1d_transpose", "conv2d_transpose",
+            "conv3d_transpose", "depthwise_conv1d", "depthwise_conv2d",
+            # MultiHeadAttention's projections (EinsumDense), saved under their attribute names.
+            "_query_dense", "_key_dense", "_value_dense", "_output_dense",
+        )
+    },
+    **{k: _SEPARABLE for k in ("separable_conv1d", "separable_conv2d")},
+    "embedding": {1: ("embeddings",)},
+    "batch_normalization": {
+        2: ("moving_mean", "moving_variance"),
+        4: ("gamma", "beta", "moving_mean", "moving_variance"),
+    },
+    "layer_normalization": {2: ("gamma", "beta")},
+    "group_normalization": {2: ("gamma", "beta")},
+    "rms_normalization": {1: ("scale",)},
+    **{k: _RNN_CELL for k in ("lstm_cell", "gru_cell", "simple_rnn_cell", "conv_lstm_cell")},
+    "prelu": {1: ("alpha",)},
+    "normalization": {3: ("mean", "variance", "count")},
+}
+# Weights Keras keeps out of training; their Variables are made non-trainable.
+_NON_TRAINABLE = frozenset({"moving_mean", "moving_variance", "moving_stddev", "renorm_mean", "renorm_stddev"})
+
+
+class LayerLayout(NamedTuple):
+    """Where one layer's weights sit in Keras's files: what `save_weights` needs to write them back.
+
+    `path` is the layer's key path in the `KerasWeights` dict (``()`` for the
+    model itself), `name` Keras's layer name, `group` its HDF5 group in a
+    Keras 3 ``.weights.h5`` (``""`` for the model; None when the source was
+    not one), `weights` its weight names in the order Keras stores them and
+    `shapes` / `dtypes` theirs as read.
+    """
+
+    path: tuple[str, ...]
+    name: str
+    group: str | None
+    weights: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+
+
+class KerasWeights(dict):
+    """A dict of Keras weights (see the module docstring) that remembers Keras's layout of them.
+
+    It is a JAX pytree: ``jax.tree.map`` over it gives a `KerasWeights` with
+    the same layout, so `save_weights` can write transformed weights back
+    for Keras without being told the layout again. `layout` holds one
+    `LayerLayout` per layer, in Keras's order; `source` the file read.
+
+    >>> import jax, numpy as np, varstate
+    >>> from checkpoint.keras import KerasWeights, LayerLayout
+    >>> w = KerasWeights({"out": {"bias": varstate.Variable(np.ones(2, np.float32), name="out/bias")}},
+    ...                  layout=(LayerLayout(("out",), "out", "layers/dense", ("bias",)),))
+    >>> doubled = jax.tree.map(lambda x: x * 2, w)
+    >>> type(doubled).__name__, doubled.layout == w.layout, doubled["out"]["bias"].value.tolist()
+    ('KerasWeights', True, [2.0, 2.0])
+    """
+
+    def __init__(self, items: Any = (), *, layout: tuple[LayerLayout, ...] = (), source: str = "") -> None:
+        super().__init__(items)
+        self.layout = tuple(layout)
+        self.source = source
+
+    def __repr__(self) -> str:
+        return f"KerasWeights({dict.__repr__(self)}, source={self.source!r})"
+
+
+def _flatten_with_keys(w: KerasWeights):
+    return tuple((jax.tree_util.DictKey(k), v) for k, v in w.items()), (tuple(w), w.layout, w.source)
+
+
+def _unflatten(aux, children) -> KerasWeights:
+    keys, layout, source = aux
+    return KerasWeights(zip(keys, children, strict=True), layout=layout, source=source)
+
+
+def _flatten(w: KerasWeights):
+    return tuple(w.values()), (tuple(w), w.layout, w.source)
+
+
+jax.tree_util.register_pytree_with_keys(KerasWeights, _flatten_with_keys, _unflatten, flatten_func=_flatten)
+
+
+
+def _h5py():
+    # h5py is imported here, not at module import: reading TF checkpoints needs none of it.
+    try:
+        import h5py
+    except ImportError:
+        raise ImportError(
+            "Reading or writing Keras HDF5 weights needs h5py, which is not installed: pip install h5py"
+        ) from None
+    return h5py
+
+
+def _is_hdf5(path: str) -> bool:
+    # The HDF5 signature sits at offset 0, or 512, 1024, ... when a user block precedes it.
+    with open(path, "rb") as f:
+        for offset in (0, 512, 1024, 2048):
+            f.seek(offset)
+            if f.read(8) == _HDF5_MAGIC:
+                return True
+    return False
+
+
+class _open_archive:  # noqa: N801 (a context manager used like open())
+    """The weights HDF5 inside a .keras archive, opened from memory (nothing is extracted to disk)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self):
+        h5py = _h5py()
+        with zipfile.ZipFile(self.path) as z:
+            if _KERAS_ARCHIVE_WEIGHTS not in z.namelist():
+                raise CheckpointFormatError(
+                    f"{self.path}: a zip archive without {_KERAS_ARCHIVE_WEIGHTS}; a .keras file written by "
+                    f"model.save holds its weights there (found: {sorted(z.namelist())[:10]})"
+                )
+            info = z.getinfo(_KERAS_ARCHIVE_WEIGHTS)
+            if info.file_size > _BOMB_FLOOR_BYTES and info.file_size > _BOMB_MAX_RATIO * info.compress_size:
+                raise CheckpointFormatError(
+                    f"{self.path}: {_KERAS_ARCHIVE_WEIGHTS} expands from {info.compress_size} to {info.file_size} "
+                    "bytes; refusing to expand it (a damaged or crafted archive)"
+                )
+            data = z.read(_KERAS_ARCHIVE_WEIGHTS)
+        self.file = h5py.File(io.BytesIO(data), "r")
+        return self.file
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def _decode(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _variable(value: np.ndarray, path: tuple[str, ...], registry, where: str) -> varstate.Variable:
+    name = "/".join(path)
+    if _dtypes.is_real(value.dtype) or value.dtype.kind == "c":
+        value = _dtypes.narrow_to_held(value, name, where)
+    return varstate.Variable(jnp.asarray(value), name=name, trainable=path[-1] not in _NON_TRAINABLE,
+                             registry=registry)
+
+
+def _insert(tree: dict, path: tuple[str, ...], value: Any, where: str) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise CheckpointFormatError(
+                f"{where}: {'/'.join(path[: i + 1])!r} is both a weight and a layer holding {'/'.join(path)!r}"
+            )
+        node = child
+    if path[-1] in node:
+        raise CheckpointFormatError(
+            f"{where}: two weights (or a weight and a layer) share the name {'/'.join(path)!r}; name them apart "
+            "with load_weights(weight_names=...)"
+        )
+    node[path[-1]] = value
+
+
+def _prune_empty(tree: dict) -> dict:
+    """Drops layers that hold no weights (InputLayer, pooling), keeping the order of the rest."""
+    for key in list(tree):
+        if isinstance(tree[key], dict):
+            _prune_empty(tree[key])
+            if not tree[key]:
+                del tree[key]
+    return tree
+
+
+# --- Keras 3 .weights.h5 ----------------------------------------------------------------------
+class _Keras3Reader:
+    def __init__(self, f, where: str, names: dict[str, tuple[str, ...]], registry) -> None:
+        self.h5py = _h5py()
+        self.f, self.where, self.names, self.registry = f, where, names, registry
+        self.tree: dict = {}
+        self.layout: list[LayerLayout] = []
+
+    def read(self) -> KerasWeights:
+        root_vars = self._child(self.f, _VARS, "")
+        if root_vars is None and "layers" not in self.f:
+            raise CheckpointFormatError(
+                f"{self.where}: an HDF5 file without Keras's 'vars' or 'layers' groups, nor the 'layer_names' "
+                "attribute of Keras 2's format: not a Keras weights file"
+            )
+        model_name = _decode(root_vars.attrs.get("name", "")) if root_vars is not None else ""
+        self._own(root_vars, (), model_name, "", "")
+        for name, child in self._groups(self.f, ""):
+            if name in (_VARS, _OPTIMIZER):  # the optimizer's state is not a weight of the model
+                continue
+            self._walk(child, name, ())
+        return KerasWeights(_prune_empty(self.tree), layout=tuple(self.layout), source=self.where)
+
+    def _child(self, group, name: str, group_path: str):
+        if name not in group:
+            return None
+        link = group.get(name, getlink=True)
+        if not isinstance(link, self.h5py.HardLink):
+            raise CheckpointFormatError(
+                f"{self.where}: {group_path + '/' if group_path else ''}{name} is a {type(link).__name__}; a "
+                "Keras weights file holds plain groups and datasets, and links to other files are not followed"
+            )
+        return group[name]
+
+    def _groups(self, group, group_path: str) -> list[tuple[str, Any]]:
+        """Subgroups in the order they were written (HDF5 lists names sorted; object addresses grow as written)."""
+        out = []
+        for name in group:
+            child = self._child(group, name, group_path)
+            if isinstance(child, self.h5py.Group):
+                out.append((name, child))
+        return sorted(out, key=lambda nc: self.h5py.h5o.get_info(nc[1].id).addr)
+
+    def _walk(self, group, group_path: str, parent: tuple[str, ...]) -> None:
+        if group_path.count("/") >= _MAX_DEPTH:
+            raise CheckpointFormatError(
+                f"{self.where}: groups nested more than {_MAX_DEPTH} deep ({group_path[:200]}...); Keras models "
+                "nest far less: the file is damaged or crafted"
+            )
+        own = self._child(group, _VARS, group_path)
+        path = parent
+        if isinstance(own, self.h5py.Group):
+            layer_name = _decode(own.attrs.get("name", group_path.rsplit("/", 1)[-1]))
+            path = (*parent, layer_name)
+            if any(lay.path == path for lay in self.layout):
+                raise CheckpointFormatError(
+                    f"{self.where}: two layers are both named {'/'.join(path)!r} (groups {group_path} and "
+                    f"{next(lay.group for lay in self.layout if lay.path == path)})"
+                )
+            self._own(own, path, layer_name, group_path, group_path.rsplit("/", 1)[-1])
+        # A group without 'vars' is a container (a list or dict of layers): its layers belong to `parent`.
+        for name, child in self._groups(group, group_path):
+            if name != _VARS:
+                self._walk(child, f"{group_path}/{name}", path)
+
+    def _own(self, vars_group, path: tuple[str, ...], layer_name: str, group_path: str, group_name: str) -> None:
+        datasets = []
+        if vars_group is not None:
+            keys = list(vars_group)
+            if sorted(keys, key=lambda k: (len(k), k)) != [str(i) for i in range(len(keys))]:
+                raise CheckpointFormatError(
+                    f"{self.where}: {group_path}/vars holds {sorted(keys)}; Keras names a layer's weights "
+                    "'0', '1', ... in order"
+                )
+            datasets = [self._dataset(vars_group, str(i), f"{group_path}/vars") for i in range(len(keys))]
+        names = self._weight_names(path, layer_name, group_name, len(datasets), group_path)
+        if path:
+            self._tree_node(path)
+        shapes, dtypes = [], []
+        for name, value in zip(names, datasets, strict=True):
+            key = f"{self.where}:{group_path}/vars"
+            _insert(self.tree, (*path, name), _variable(value, (*path, name), self.registry, key), self.where)
+            shapes.append(tuple(value.shape))
+            dtypes.append(value.dtype.name)
+        self.layout.append(LayerLayout(path, layer_name, group_path, tuple(names), tuple(shapes), tuple(dtypes)))
+
+    def _tree_node(self, path: tuple[str, ...]) -> None:
+        """Puts an (empty) dict for the layer at `path` now, so that layers keep the order they were written in."""
+        node = self.tree
+        for part in path:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise CheckpointFormatError(f"{self.where}: layer {'/'.join(path)!r} shares its name with a weight")
+            node = child
+
+    def _weight_names(self, path, layer_name: str, group_name: str, count: int, group_path: str) -> tuple[str, ...]:
+        for key in ("/".join(path), layer_name):
+            if key in self.names:
+                names = self.names[key]
+                if len(names) != count or len(set(names)) != count:
+                    raise ValueError(
+                        f"weight_names[{key!r}] = {list(names)}, but layer {'/'.join(path)!r} ({group_path}) "
+                        f"stores {count} weights: give {count} distinct names"
+                    )
+                return names
+        if count == 0:
+            return ()
+        for key in (group_name, layer_name):
+            known = BUILTIN_WEIGHT_NAMES.get(re.sub(r"_\d+$", "", key), {}).get(count)
+            if known:
+                return known
+        return tuple(str(i) for i in range(count))
+
+    def _dataset(self, group, key: str, group_path: str) -> np.ndarray:
+        ds = self._child(group, key, group_path)
+        where = f"{self.where}: {group_path}/{key}"
+        if not isinstance(ds, self.h5py.Dataset):
+            raise CheckpointFormatError(f"{where} is a group; Keras stores each weight as a dataset")
+        if ds.is_virtual or ds.external:
+            raise CheckpointFormatError(f"{where} keeps its data outside this file, which is not read")
+        return _read_dataset(ds, where)
+
+
+def _read_dataset(ds, where: str) -> np.ndarray:
+    bf16 = _decode(ds.attrs.get("dtype", "")) == "bfloat16"
+    dtype = ds.dtype
+    if not (dtype.kind in "biufc" or (bf16 and dtype.itemsize == 2)):
+        raise CheckpointFormatError(f"{where} has dtype {dtype}; Keras weights are numbers")
+    declared = math.prod(ds.shape or ()) * dtype.itemsize if ds.shape is not None else 0
+    stored = ds.id.get_storage_size()
+    if declared > _BOMB_FLOOR_BYTES and declared > _BOMB_MAX_RATIO * stored:
+        raise CheckpointFormatError(
+            f"{where} declares {declared} bytes but stores {stored}; refusing to expand it (a damaged or crafted "
+            "file). Rewrite the weights without compression."
+        )
+    value = np.asarray(ds[()])
+    if bf16:
+        import ml_dtypes
+
+        value = value.view(ml_dtypes.bfloat16)
+    return value
+
+
+# --- Keras 2 legacy HDF5 ------------------------------------------------------------------------
+def _legacy_root(f):
+    """The group holding Keras 2's `layer_names` attribute (the file, or 'model_weights' of a full model)."""
+    if "layer_names" in f.attrs:
+        return f
+    if "model_weights" in f and "layer_names" in f["model_weights"].attrs:
+        return f["model_weights"]
+    return None
+
+
+def _read_legacy(f, where: str, registry) -> KerasWeights:
+    h5py = _h5py()
+    root = _legacy_root(f)
+    tree: dict = {}
+    layout = []
+    for layer_name in (_decode(n) for n in root.attrs["layer_names"]):
+        if layer_name not in root:
+            raise CheckpointFormatError(f"{where}: layer {layer_name!r} is listed in layer_names but has no group")
+        group = root[layer_name]
+        sub_layouts: dict[tuple[str, ...], list[str]] = {}
+        for weight in (_decode(n) for n in group.attrs.get("weight_names", [])):
+            parts = weight.removesuffix(":0").split("/")
+            # A Keras 2 weight name starts with its layer's name ("lstm/lstm_cell/kernel:0"), after any
+            # enclosing scope; the rest are sublayers and the weight.
+            rest = parts[parts.index(layer_name) + 1 :] if layer_name in parts[:-1] else parts[-1:]
+            path = (layer_name, *rest)
+            link = group.get(weight, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise CheckpointFormatError(
+                    f"{where}: {layer_name}/{weight} is a {type(link).__name__}; links are not followed"
+                )
+            ds = group[weight]
+            if not isinstance(ds, h5py.Dataset) or ds.is_virtual or ds.external:
+                raise CheckpointFormatError(f"{where}: {layer_name}/{weight} is not a dataset stored in this file")
+            value = _read_dataset(ds, f"{where}: {layer_name}/{weight}")
+            _insert(tree, path, _variable(value, path, registry, f"{where}:{layer_name}/{weight}"), where)
+            sub_layouts.setdefault(path[:-1], []).append(path[-1])
+        for sub, weights in sub_layouts.items():
+            layout.append(LayerLayout(sub, sub[-1], None, tuple(weights)))
+    return KerasWeights(tree, layout=tuple(layout), source=where)
+
+
+# --- TF checkpoints of Keras models ------------------------------------------------------------
+_LAYER_WITH_WEIGHTS = re.compile(r"layer_with_weights-(\d+)")
+_LAYER = re.compile(r"layer-(\d+)")
+# Children of a subclassed model that are not its layers (training state, Keras/TF bookkeeping).
+_NOT_LAYERS = frozenset({
+    _OPTIMIZER, "save_counter", "root", "_tracked", "_compiled_trainable_state", "_loss_tracker", "_compile_metrics",
+    "_compile_loss", "_metrics", "keras_api", "train_function", "train_tf_function", "_inbound_nodes",
+    "_outbound_nodes", "_losses", "_losses_override", "call_signature_parameters", "_call_has_context_arg",
+})
+
+
+class _Graph:
+    def __init__(self, graph, where: str) -> None:
+        self.nodes, self.where = graph.nodes, where
+
+    def children(self, i: int) -> list[tuple[str, int]]:
+        out = []
+        for ref in self.nodes[i].children:
+            if not 0 <= ref.node_id < len(self.nodes):
+                raise CheckpointFormatError(
+                    f"{self.where}: node {i}'s child {ref.local_name!r} refers to node {ref.node_id}, but the "
+                    f"object graph has {len(self.nodes)} nodes"
+                )
+            out.append((ref.local_name, ref.node_id))
+        return out
+
+    def value(self, i: int):
+        return next((a for a in self.nodes[i].attributes if a.name == _keys.VARIABLE_VALUE), None)
+
+    def is_list(self, i: int) -> bool:
+        kids = self.children(i)
+        return bool(kids) and all(name.isdigit() for name, _ in kids)
+
+
+def _is_model(g: _Graph, i: int) -> bool:
+    names = {n for n, _ in g.children(i)}
+    return bool(names & {"_operations", "_functional", "_layers"}) or any(
+        _LAYER_WITH_WEIGHTS.fullmatch(n) or _LAYER.fullmatch(n) for n in names
+    )
+
+
+def _find_model(g: _Graph, node: str | None) -> tuple[int, str]:
+    if node is not None:
+        i = 0
+        for part in [p for p in node.split("/") if p]:
+            found = dict(g.children(i)).get(part)
+            if found is None:
+                raise ValueError(
+                    f"{g.where}: no object {node!r} in the checkpoint (at {part!r}, the children are "
+                    f"{sorted(n for n, _ in g.children(i))})"
+                )
+            i = found
+        return i, node
+    if _is_model(g, 0):
+        return 0, ""
+    kids = [(n, j) for n, j in g.children(0) if n not in (_OPTIMIZER, _keys.SAVE_COUNTER) and _is_model(g, j)]
+    if len(kids) == 1:
+        return kids[0][1], kids[0][0]
+    if any(n == "model" for n, _ in kids):
+        return dict(kids)["model"], "model"
+    if kids:
+        raise ValueError(
+            f"{g.where}: several Keras models in the checkpoint ({sorted(n for n, _ in kids)}); pick one with "
+            "load_weights(node=...)"
+        )
+    # No layer lists anywhere: a subclassed model (its layers are attributes), at the root or under 'model'.
+    named = dict(g.children(0))
+    if "model" in named:
+        return named["model"], "model"
+    return 0, ""
+
+
+def _layers(g: _Graph, model: int) -> tuple[list[tuple[str, int]], bool]:
+    """The model's layers in Keras's order, and whether they came from a layer list (else: attributes)."""
+    kids = g.children(model)
+    by_name = dict(kids)
+    numbered = sorted(
+        ((int(m[1]), n, j) for n, j in kids if (m := _LAYER_WITH_WEIGHTS.fullmatch(n))), key=lambda t: t[0]
+    )
+    if numbered:  # tf-keras Functional/Sequential: its layers with weights, numbered in order
+        return [(n, j) for _, n, j in numbered], True
+    if "_functional" in by_name:  # Keras 3 Sequential: the Functional it builds
+        return _layers(g, by_name["_functional"])
+    for listed in ("_operations", "_layers"):  # Keras 3 Functional
+        if listed in by_name:
+            return sorted(g.children(by_name[listed]), key=lambda nj: int(nj[0]) if nj[0].isdigit() else -1), True
+    numbered = sorted(((int(m[1]), n, j) for n, j in kids if (m := _LAYER.fullmatch(n))), key=lambda t: t[0])
+    if numbered:
+        return [(n, j) for _, n, j in numbered], True
+    layers = []
+    for n, j in kids:
+        if n in _NOT_LAYERS:
+            continue
+        if g.is_list(j):  # a list attribute of layers: each item is a layer, keyed "<attribute>/<index>"
+            layers.extend((f"{n}/{item}", k) for item, k in g.children(j))
+        else:
+            layers.append((n, j))
+    return layers, False
+
+
+def _collect(g: _Graph, layer: int, seen: set[int]) -> list:
+    """Variables under a layer node, depth first in children order: (node, name levels down, local names, attribute).
+
+    A list of sublayers adds no name level of its own: its items are the next level. Iterative, so that a
+    crafted deep graph cannot exhaust Python's stack.
+    """
+    out = []
+    stack = [(iter(g.children(layer)), 0, ())]
+    while stack:
+        children, hops, local = stack[-1]
+        step = next(children, None)
+        if step is None:
+            stack.pop()
+            continue
+        name, j = step
+        if j in seen or name == _OPTIMIZER:
+            continue
+        seen.add(j)
+        attr = g.value(j)
+        if attr is not None:
+            out.append((j, hops + 1, (*local, name), attr))
+        elif len(stack) < _MAX_DEPTH:
+            stack.append((iter(g.children(j)), hops if g.is_list(j) else hops + 1, (*local, name)))
+        else:
+            raise CheckpointFormatError(
+                f"{g.where}: the object graph nests more than {_MAX_DEPTH} levels below a layer; Keras models nest "
+                "far less: the checkpoint is damaged or crafted"
+            )
+    return out
+
+
+def _read_tf_checkpoint(reader, where: str, node: str | None, registry) -> KerasWeights:
+    graph = reader.object_graph
+    if graph is None or not len(graph.nodes):
+        raise CheckpointFormatError(
+            f"{where}: a name-based checkpoint (no object graph), not one Keras writes; read its values with "
+            "checkpoint.read_checkpoint"
+        )
+    g = _Graph(graph, where)
+    model, model_path = _find_model(g, node)
+    layers, listed = _layers(g, model)
+    seen = {model, *(j for _, j in layers)}
+    tree: dict = {}
+    layout: dict[tuple[str, ...], list[str]] = {}
+    found: set[int] = set()
+    for local_name, layer in layers:
+        layer_key = None
+        for j, hops, local, attr in _collect(g, layer, seen):
+            parts = attr.full_name.removesuffix(":0").split("/") if attr.full_name else []
+            weight = parts[-1] if parts else local[-1].lstrip("_")
+            if listed and len(parts) > hops:
+                # Keras names a variable by its layer scopes: the last hops+1 parts are the layer, its
+                # sublayers and the weight (anything before is the model's own scope).
+                path = tuple(parts[-(hops + 1) :])
+                layer_key = layer_key or path[0]
+                path = (layer_key, *path[1:])
+            else:
+                # Subclassed models: the checkpoint does not record layer names reliably; use attribute names.
+                path = (*local_name.split("/"), *(p.lstrip("_") for p in local[:-1]), weight)
+            value = reader.get(attr.checkpoint_key)
+            _insert(tree, path, _variable(value, path, registry, attr.checkpoint_key), where)
+            layout.setdefault(path[:-1], []).append(path[-1])
+            found.add(j)
+    _check_nothing_hidden(g, model, found, model_path)
+    if not tree:
+        raise CheckpointFormatError(
+            f"{where}: no layer weights found under {model_path or 'the root'!r} of the object graph; it is not a "
+            "checkpoint of a Keras model"
+        )
+    return KerasWeights(
+        tree, layout=tuple(LayerLayout(p, p[-1], None, tuple(w)) for p, w in layout.items()), source=where
+    )
+
+
+def _check_nothing_hidden(g: _Graph, model: int, found: set[int], model_path: str) -> None:
+    """Raises if the model's optimizer tracks trainable variables that no layer reached (they would be lost)."""
+    opt = dict(g.children(model)).get(_OPTIMIZER)
+    trainable = dict(g.children(opt)).get("_trainable_variables") if opt is not None else None
+    if trainable is None:
+        return
+    missed = [j for _, j in g.children(trainable) if g.value(j) is not None and j not in found]
+    if missed:
+        name = g.value(missed[0]).full_name
+        raise CheckpointFormatError(
+            f"{g.where}: {len(missed)} trainable variables of model {model_path or 'at the root'!r} (first: "
+            f"{name!r}) are reachable only through its optimizer, so their layers are unknown (a Keras 3 "
+            "subclassed model keeping layers in a list); save the model with model.save_weights('m.weights.h5') "
+            "and load that instead"
+        )
