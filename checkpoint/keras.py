@@ -66,6 +66,7 @@ from checkpoint._keras_read import (
     _read_legacy,
     _read_tf_checkpoint,
 )
+from checkpoint._storage._files import sync_file
 
 __all__ = [
     "BUILTIN_WEIGHT_NAMES",
@@ -200,7 +201,7 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any], *, like: s
                     if value.dtype.name == "bfloat16":  # stored as 2 opaque bytes; Keras reads it back by this mark
                         ds.attrs["dtype"] = "bfloat16"
         with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+            sync_file(f)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

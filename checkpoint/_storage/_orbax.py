@@ -641,7 +641,7 @@ class OrbaxReader:
         parts = [np.asarray(self._value(key, part, loaded)) for part in e["slices"]]
         full = np.empty(tuple(e["shape"]), _dtypes.by_name(e["dtype"], key))
         for box, part in zip(self._slices[key], parts, strict=True):
-            full[tuple(slice(o, o + n) for o, n in box)] = part
+            full[_keys.slice_index(*zip(*box, strict=True))] = part
         return full
 
 

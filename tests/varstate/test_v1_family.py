@@ -28,7 +28,8 @@ from varstate.optimizers._adadelta import Adadelta
 from varstate.optimizers._adagrad_da import AdagradDA
 from varstate.optimizers._ftrl import Ftrl
 from varstate.optimizers._proximal_adagrad import ProximalAdagrad
-from varstate.optimizers._proximal_gradient_descent import ProximalGradientDescent, _div_one_plus
+from varstate.optimizers._proximal_gradient_descent import ProximalGradientDescent
+from varstate.optimizers._proximal_math import _div_one_plus
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # tests/data
 FIXTURES = np.load(os.path.join(DATA, "tf_v1_family_fixtures.npz"))

@@ -11,7 +11,7 @@ from jax import lax
 
 from varstate._global_step import assert_global_step
 from varstate.optimizers._base import Hyper, Optimizer
-from varstate.optimizers._proximal_gradient_descent import (
+from varstate.optimizers._proximal_math import (
     _check,
     _div,
     _float_options,

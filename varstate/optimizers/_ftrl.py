@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate.optimizers._base import Hyper, Optimizer
-from varstate.optimizers._proximal_gradient_descent import _check, _div, _float_options, _one_element_rows
+from varstate.optimizers._proximal_math import _check, _div, _float_options, _one_element_rows
 from varstate.optimizers._rows import as_dtype, gather_rows, set_rows
 
 
