@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n auto --dist loadfile tests
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done

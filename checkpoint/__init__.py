@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from checkpoint._name_based import NameBasedLoadStatus, restore_by_name, write_name_based
     from checkpoint._saved_model import read_saved_model
     from checkpoint._status import LoadStatus
+    from checkpoint._storage._distributed import ProcessGroupError
 
 _HOME = {
     "Asset": "_export",
@@ -30,6 +31,7 @@ _HOME = {
     "CheckpointManager": "_manager",
     "LoadStatus": "_status",
     "NameBasedLoadStatus": "_name_based",
+    "ProcessGroupError": "_storage._distributed",
     "export": "_export",
     "latest_checkpoint": "_manager",
     "load": "_export",
@@ -49,6 +51,7 @@ __all__ = [
     "DataLossError",
     "LoadStatus",
     "NameBasedLoadStatus",
+    "ProcessGroupError",
     "StepAlreadyExistsError",
     "export",
     "latest_checkpoint",

@@ -10,6 +10,7 @@ import numpy as np
 from checkpoint import _graph, _keys, _publish, _storage
 from checkpoint._errors import DataLossError
 from checkpoint._status import InitializationOnlyStatus, LoadStatus
+from checkpoint._storage import _distributed
 
 
 def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
@@ -41,6 +42,29 @@ def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
 def _check_format(format: str, where: str) -> None:
     if format not in ("orbax", "tf"):
         raise ValueError(f"{where}: unknown format {format!r}; expected 'orbax' or 'tf'.")
+
+
+def _fingerprint(proto: Any, values: dict[str, Any]) -> bytes:
+    """What must agree between processes: the graph (names, structure) and every value's shape and dtype."""
+    kinds = [f"{k}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', type(v).__name__)}"
+             for k, v in sorted(values.items()) if not isinstance(v, list)]
+    return proto.SerializeToString(deterministic=True) + "\n".join(kinds).encode()
+
+
+def _tf_of_processes(temp: str, values: dict[str, Any], graph: bytes):
+    """A TensorBundle written by every process: its own data file each, one merged index (process 0's)."""
+    from checkpoint._storage._bundle_writer import Sliced, write_bundle_of_processes
+    from checkpoint._storage._tensors import tf_tensors
+
+    python = {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str))}
+    tensors = tf_tensors(python, graph)  # Python values as TF stores them, and the object graph
+    for key, v in values.items():
+        if isinstance(v, list):  # a PartitionedVariable: its shards (each maybe split over processes) as slices
+            tensors[key] = Sliced(tuple(v[0][0].full_shape), [(tuple(info.var_offset), part) for info, part in v])
+        elif key not in python:
+            tensors[key] = v
+    index, count = _distributed.process_index(), _distributed.process_count()
+    return lambda: write_bundle_of_processes(temp, tensors, index, count, _distributed.allgather_bytes)
 
 
 class Checkpoint:
@@ -82,7 +106,7 @@ class Checkpoint:
             roots[_keys.SAVE_COUNTER] = np.int64(self.save_counter)
         return _graph.build(roots)
 
-    def write(self, path: str, format: str = "orbax") -> str:
+    def write(self, path: str, format: str = "orbax", *, packed: bool = True) -> str:
         """Writes the roots to `path` and returns it once committed (no numbering).
 
         `format="tf"` writes a TensorBundle (``path.index`` + data files) that
@@ -98,48 +122,104 @@ class Checkpoint:
         >>> _ = checkpoint.Checkpoint(w=jnp.ones(2)).write(path, format="tf")  # replaces it
         >>> checkpoint.read_checkpoint(path).get("w/.ATTRIBUTES/VARIABLE_VALUE").tolist()
         [1.0, 1.0]
+
+        ``packed=False`` (orbax format) stores every value as its own orbax
+        array named by its checkpoint key, instead of packing small values
+        together, so plain orbax reads it without this package into
+        {checkpoint key: numpy array} (a sliced value's slice i under
+        ``<key>@slice_<i>``; strings only in ``meta/``); slower with many
+        small values:
+
+        >>> import jax, numpy as np, orbax.checkpoint as ocp
+        >>> path = checkpoint.Checkpoint(w=jnp.arange(3.0)).write(path + "-plain", packed=False)
+        >>> values = os.path.join(path, "values")
+        >>> ckptr = ocp.PyTreeCheckpointer()
+        >>> tree = ckptr.metadata(values).item_metadata.tree
+        >>> arrays = ckptr.restore(values, restore_args=jax.tree.map(
+        ...     lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+        >>> arrays["w/.ATTRIBUTES/VARIABLE_VALUE"].tolist()
+        [0.0, 1.0, 2.0]
         """
         path = os.path.abspath(os.fspath(path))
         _check_format(format, "Checkpoint.write")
         _publish.check_replaceable(path, format, "Checkpoint.write")
-        lock = _publish.begin(os.path.dirname(path))
-        try:
-            self._write_now(path, format)
-        finally:
-            lock.release()
+        self._write_now(path, format, record=False, packed=packed)
         return path
 
-    def save(self, file_prefix: str, format: str = "orbax") -> str:
+    def save(self, file_prefix: str, format: str = "orbax", *, packed: bool = True, **roots: Any) -> str:
         """Writes ``file_prefix-N`` (N = the new `save_counter`) and records it as the latest.
 
         Updates the directory's ``checkpoint`` state file, as TF does. A
         checkpoint already at ``file_prefix-N`` (a new process whose counter
-        was not restored) is replaced as `write` replaces one.
+        was not restored) is replaced as `write` replaces one. `roots` given
+        here replace the roots of the same names first (the new values after
+        a training step), so one Checkpoint serves a whole training loop and
+        its counter keeps counting; a name that is not a root raises
+        ValueError.
+
+        In a `jax.distributed` job every process calls `save` with the same
+        roots: each writes only the shards it holds, process 0 writes the
+        object graph and the state file, and the checkpoint becomes the
+        latest once every process has written (see `checkpoint/_storage/
+        _distributed.py`).
+
+        >>> import os, tempfile, jax.numpy as jnp, checkpoint
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> ckpt = checkpoint.Checkpoint(w=jnp.zeros(2))
+        >>> paths = [os.path.basename(ckpt.save(prefix, w=jnp.full(2, float(i)))) for i in (1, 2)]
+        >>> paths, ckpt.save_counter, checkpoint.read_checkpoint(prefix + "-2").get("w/.ATTRIBUTES/VARIABLE_VALUE")
+        (['ckpt-1', 'ckpt-2'], 2, array([2., 2.], dtype=float32))
         """
         _check_format(format, "Checkpoint.save")
+        self._replace_roots(roots, "Checkpoint.save")
         self._counter_tracked = True
         self.save_counter += 1
         path = os.path.abspath(f"{os.fspath(file_prefix)}-{self.save_counter}")
         _publish.check_replaceable(path, format, "Checkpoint.save")
-        directory = os.path.dirname(path)
-        lock = _publish.begin(directory)
-        try:
-            self._write_now(path, format)
-            _storage.record_latest(directory, path)
-        finally:
-            lock.release()
+        self._write_now(path, format, record=True, packed=packed)
         return path
 
-    def _write_now(self, path: str, format: str) -> None:
-        temp = _publish.temporary(path, "new")
-        try:
-            self._start_write(temp, format)()
-            _publish.publish(temp, path)
-        except BaseException:
-            _publish.remove(temp)
-            raise
+    def _replace_roots(self, roots: dict[str, Any], where: str) -> None:
+        unknown = sorted(set(roots) - set(self._roots))
+        if unknown:
+            hint = " ('save_counter' is the checkpoint's own)" if _keys.SAVE_COUNTER in unknown else ""
+            raise ValueError(
+                f"{where}: {unknown} {'is not a root' if len(unknown) == 1 else 'are not roots'} of this "
+                f"Checkpoint{hint}; its roots are {sorted(self._roots)}. Pass new values only for roots given to "
+                "Checkpoint(...), or build a Checkpoint with the new roots."
+            )
+        self._roots.update(roots)
 
-    def _start_write(self, temp: str, format: str, checkpointer: Any = None, background: bool = False):
+    def _write_now(self, path: str, format: str, record: bool, packed: bool = True) -> None:
+        directory = os.path.dirname(path)
+        # In a jax.distributed job only process 0 touches what is shared (the lock, leftovers, the
+        # publish and the state file); the others write their shards between the barriers.
+        primary = _distributed.is_primary()
+        lock = _publish.begin(directory) if primary else None
+        try:
+            temp = _distributed.agree(_publish.temporary(path, "new"))
+            _distributed.barrier(f"varstate-begin:{path}")
+            try:
+                try:
+                    self._start_write(temp, format, packed=packed)()
+                except Exception as e:  # orbax's own collectives fail this way when a process dies
+                    raise _distributed.lost_peer(e, "writing the checkpoint") from e
+                _distributed.barrier(f"varstate-written:{path}")
+                if primary:
+                    _publish.publish(temp, path)
+                    if record:
+                        _storage.record_latest(directory, path)
+            except BaseException:
+                if primary:
+                    _publish.remove(temp)
+                raise
+            _distributed.barrier(f"varstate-published:{path}")
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _start_write(self, temp: str, format: str, checkpointer: Any = None, background: bool = False,
+                     packed: bool = True):
         """Starts writing the roots to the unpublished name `temp`; returns the function that finishes it.
 
         With `background` the values are copied off the arrays before this
@@ -148,6 +228,14 @@ class Checkpoint:
         """
         graph = self._graph()
         values = _graph.values(graph)
+        if _distributed.process_count() > 1:
+            _distributed.check_same("object graph of the saved roots", _fingerprint(graph.proto, values))
+        if format == "tf" and _distributed.process_count() > 1:
+            finish = _tf_of_processes(temp, values, graph.proto.SerializeToString())
+            if background:  # its shards are read as it writes: written now, so later (donating) steps cannot race
+                finish()
+                return lambda: None
+            return finish
         if format == "tf":
             from checkpoint._storage._tensors import tf_tensors
 
@@ -157,7 +245,7 @@ class Checkpoint:
             return lambda: _storage.write_bundle(temp, tensors)
         from checkpoint._storage import _orbax
 
-        tree, meta = _orbax.layout(values, graph.proto)
+        tree, meta = _orbax.layout(values, graph.proto, packed=packed)
         if checkpointer is None:
             checkpointer = _orbax.checkpointer()
             try:
@@ -202,6 +290,10 @@ class Checkpoint:
         return status
 
     def _restore(self, save_path: str) -> LoadStatus:
+        if _distributed.process_count() > 1:  # every process must load the same values onto the same shardings
+            graph = _graph.build(dict(self._roots))
+            _distributed.check_same("object graph of the restore templates",
+                                    _fingerprint(graph.proto, _graph.values(graph)))
         reader = _storage.open_reader(save_path)
         if reader.object_graph is None:
             raise ValueError(

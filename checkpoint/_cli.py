@@ -1,7 +1,9 @@
 """`python -m checkpoint` / `varstate-ckpt`: inspect, convert and diff checkpoints and exports.
 
 Reads every format `read_checkpoint` reads (orbax, TF object-based, TF
-name-based) and, for `inspect`, the directories `checkpoint.export` writes.
+name-based, checkpoints orbax itself wrote) and, for `inspect`, the
+directories `checkpoint.export` writes and TF SavedModels (whose variables
+`convert` and `diff` read too).
 Output uses rich (tables, trees, a progress bar) when stdout is a terminal,
 plain text otherwise, and JSON with ``--json``. Names read from a file are
 printed with their control characters escaped, so a crafted key cannot
@@ -115,6 +117,9 @@ def _graph(reader) -> Any:
 
 
 def _format_name(reader) -> str:
+    own = getattr(reader, "format_name", None)  # a checkpoint orbax wrote: its object graph is synthesized
+    if own is not None:
+        return own
     kind = "orbax" if os.path.isdir(getattr(reader, "path", "")) else "TF"
     return f"{kind} {'object' if _graph(reader) is not None else 'name'}-based checkpoint"
 
@@ -233,6 +238,8 @@ def _total(n: int, total: int) -> str:
 def _inspect(args) -> int:
     if _is_export(args.path):
         return _inspect_export(args)
+    if _is_saved_model(args.path):
+        return _inspect_saved_model(args)
     reader = _storage.open_reader(args.path)
     if args.key is not None:
         return _inspect_key(reader, args.key, args.json)
@@ -323,9 +330,100 @@ def _is_export(path: str) -> bool:
     return os.path.isdir(path) and os.path.lexists(os.path.join(path, "export.pb"))
 
 
+def _is_saved_model(path: str) -> bool:
+    from checkpoint._saved_model import is_saved_model  # protos only: no jax
+
+    return os.path.isdir(path) and is_saved_model(path)
+
+
 def _open(path: str):
-    """A reader for a checkpoint, or for the variables of an export."""
+    """A reader for a checkpoint, or for the variables of an export or a TF SavedModel."""
+    if _is_saved_model(path):
+        from checkpoint._saved_model import VARIABLES_PREFIX
+
+        prefix = os.path.join(path, VARIABLES_PREFIX)
+        if not os.path.isfile(prefix + ".index"):
+            raise _UsageError(f"{path}: the SavedModel has no variables ({VARIABLES_PREFIX}.index is missing)")
+        return _storage.open_reader(prefix)
     return _storage.open_reader(os.path.join(path, "variables", "variables") if _is_export(path) else path)
+
+
+class _Node:
+    """A SavedModel node shaped as `_tree_rows` walks an object graph's nodes."""
+
+    def __init__(self, children: dict[str, int]) -> None:
+        self.children = [argparse.Namespace(node_id=i, local_name=name) for name, i in children.items()]
+        self.slot_variables: list = []
+
+
+def _spec_json(spec) -> dict[str, Any]:
+    return {"dtype": "string" if spec.dtype is not None and _is_str(spec.dtype) else
+            None if spec.dtype is None else spec.dtype.name,
+            "shape": None if spec.shape is None else list(spec.shape), "tensor": spec.tensor,
+            **({} if spec.encoding == "name" else {"encoding": spec.encoding})}
+
+
+def _spec_text(name: str, spec: dict[str, Any]) -> str:
+    shape = "unknown rank" if spec["shape"] is None else "(" + ", ".join(
+        "?" if d is None else str(d) for d in spec["shape"]) + ("," if len(spec["shape"]) == 1 else "") + ")"
+    return f"{name}: {spec['dtype'] or 'unknown dtype'} {shape}"
+
+
+def _inspect_saved_model(args) -> int:
+    """A TF SavedModel: tags, signatures with their inputs and outputs, the object tree with variables and assets."""
+    from checkpoint._saved_model import read_saved_model
+
+    if args.key is not None:
+        return _inspect_key(_open(args.path), args.key, args.json)
+    sm = read_saved_model(args.path)
+    nodes = [_Node(n.children) for n in sm.nodes]
+
+    def describe(node_id: int) -> dict[str, Any]:
+        n = sm.nodes[node_id]
+        if n.kind == "variable":
+            value = sm.variables.get(n.path) if n.path is not None else None
+            info: dict[str, Any] = {"dtype": "string" if n.dtype is not None and _is_str(n.dtype) else
+                                    None if n.dtype is None else n.dtype.name,
+                                    "shape": None if n.shape is None else list(n.shape)}
+            if value is not None:
+                info["bytes"] = (sum(len(x) for x in np.asarray(value).ravel()) if _is_str(value.dtype)
+                                 else int(value.nbytes))
+            label = f"variable {n.name!r}" + ("" if n.trainable else ", not trainable")
+            return {"kind": label, "variable": {"name": n.name, "trainable": n.trainable, **info}}
+        if n.kind == "asset":
+            return {"kind": f"asset {os.path.basename(n.asset_path or '')}", "asset": n.asset_path}
+        if n.kind == "user_object":
+            return {"kind": n.identifier or "object", "type": n.identifier}
+        return {"kind": n.kind or "unknown kind"}
+
+    rows = _tree_rows(nodes, describe)
+    for row in rows:
+        v = row.get("variable")
+        if v is not None and "same_as" not in row:
+            shape = "unknown rank" if v["shape"] is None else str(tuple(v["shape"]))
+            size = f" {_human(v['bytes'])}" if "bytes" in v else ""
+            row["kind"] = f"{row['kind']}  {v['dtype']} {shape}{size}"
+    signatures = [{"name": sig.name, "method_name": sig.method_name,
+                   "inputs": {k: _spec_json(x) for k, x in sig.inputs.items()},
+                   "outputs": {k: _spec_json(x) for k, x in sig.outputs.items()}} for sig in sm.signatures.values()]
+    total = sum(r["variable"].get("bytes", 0) for r in rows if "variable" in r and "same_as" not in r)
+    n_values = len(sm.variables)
+    if args.json:
+        _print_json({"path": sm.path, "format": "saved_model", "tags": list(sm.tags),
+                     "tensorflow_version": sm.tensorflow_version, "values": n_values, "bytes": total,
+                     "variables_prefix": sm.variables_prefix, "objects": rows, "signatures": signatures,
+                     "assets": dict(sm.assets)})
+        return 0
+    title = (f"{sm.path}: TF SavedModel (tags: {', '.join(sm.tags) or 'none'}; "
+             f"written by TensorFlow {sm.tensorflow_version or 'unknown'})")
+    _print_tree(title, rows, _total(n_values, total))
+    for sig in signatures:
+        ins = ", ".join(_spec_text(k, v) for k, v in sig["inputs"].items())
+        outs = ", ".join(_spec_text(k, v) for k, v in sig["outputs"].items())
+        _print(f"signature {sig['name']}: ({ins}) -> ({outs})")
+    for path, file in sm.assets.items():
+        _print(f"asset {path}: {file}")
+    return 0
 
 
 def _inspect_export(args) -> int:
@@ -601,17 +699,18 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="the object graph (or name list) with shapes, dtypes and sizes; for an "
                                        "export, also each signature's inputs, outputs and platforms")
-    i.add_argument("path", help="a checkpoint directory, prefix, or `checkpoint` state file, or an export directory")
+    i.add_argument("path", help="a checkpoint directory, prefix, or `checkpoint` state file, an export directory, "
+                                "or a TF SavedModel directory")
     i.add_argument("--key", help="print one value's summary (min/max/mean, first values)")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.set_defaults(run=_inspect)
     c = sub.add_parser("convert", help="write a checkpoint in another format and verify it")
-    c.add_argument("src", help="a checkpoint, or an export directory (its variables)")
+    c.add_argument("src", help="a checkpoint, or an export or TF SavedModel directory (its variables)")
     c.add_argument("dst", help="a TF prefix for --to tf, a directory for --to orbax")
     c.add_argument("--to", required=True, choices=("orbax", "tf"))
     c.set_defaults(run=_convert)
     d = sub.add_parser("diff", help="keys, shapes, dtypes and values of two checkpoints (exit 0: match, 1: differ)")
-    d.add_argument("a", help="a checkpoint, or an export directory (its variables)")
+    d.add_argument("a", help="a checkpoint, or an export or TF SavedModel directory (its variables)")
     d.add_argument("b")
     d.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still a match (default 0)")
     d.add_argument("--only-diff", action="store_true", help="list only the shared keys whose values differ")

@@ -2,12 +2,17 @@
 
 `BY_ENUM` maps TF's DataType enum to numpy dtypes (ml_dtypes for bfloat16,
 float8, int4, uint4); `BY_NAME` maps the same dtypes by name, as the orbax
-format stores them. Narrowing: with JAX's 64-bit types off, JAX holds an
-int64 (TF's global step) as int32 and a float64 as float32. A stored 64-bit
-value may then fill a 32-bit variable, but only if every element keeps its
-value's class: an integer out of int32's range or a finite float that would
-overflow is refused, naming the key. jax is imported only when a value is
-narrowed, so reading TF files stays light.
+format stores them. TF's quantized types (qint8, quint8, qint16, quint16,
+qint32) read as their integer storage, in a dtype tagged with the TF type
+(`quantized`, `tf_name`) that `ENUM_OF` maps back to it.
+
+Narrowing: with JAX's 64-bit types off, JAX holds an int64 (TF's global
+step) as int32 and a float64 as float32. A stored 64-bit value may then fill
+a 32-bit variable, but only if every element keeps its value's class: an
+integer out of int32's range, a finite float that would overflow to inf or a
+nonzero float that would underflow to 0 is refused, naming the key and the
+fix (64-bit types on, or an explicit cast). jax is imported only when a
+value is narrowed, so reading TF files stays light.
 
 >>> import numpy as np
 >>> from checkpoint import _dtypes
@@ -49,8 +54,70 @@ BY_ENUM: dict[int, np.dtype] = {
         types_pb2.DT_UINT4: ml_dtypes.uint4,
     }.items()
 }
-ENUM_OF: dict[np.dtype, int] = {v: k for k, v in BY_ENUM.items()}
+
+# TF's quantized types hold plain integers (the scale lives elsewhere, as TF's ops pass it). They read as
+# their integer storage in a dtype tagged with the TF type: it compares and hashes equal to the plain
+# integer dtype (numpy ignores metadata there), so it computes and restores as that integer, and a writer
+# that finds the tag writes the TF type back.
+QUANTIZED: dict[int, np.dtype] = {
+    enum: np.dtype(storage, metadata={"tf_dtype": name})
+    for enum, name, storage in (
+        (types_pb2.DT_QINT8, "qint8", np.int8),
+        (types_pb2.DT_QUINT8, "quint8", np.uint8),
+        (types_pb2.DT_QINT16, "qint16", np.int16),
+        (types_pb2.DT_QUINT16, "quint16", np.uint16),
+        (types_pb2.DT_QINT32, "qint32", np.int32),
+    )
+}
+_QUANTIZED_ENUM: dict[str, int] = {d.metadata["tf_dtype"]: enum for enum, d in QUANTIZED.items()}
+
+
+def tf_name(dtype: np.dtype) -> str | None:
+    """The TF quantized type a tagged dtype stands for (``"qint8"``), or None for any other dtype.
+
+    >>> import numpy as np
+    >>> from checkpoint import _dtypes
+    >>> q = _dtypes.quantized("qint8")
+    >>> q == np.int8, _dtypes.tf_name(q), _dtypes.tf_name(np.dtype(np.int8)), _dtypes.ENUM_OF[q]
+    (True, 'qint8', None, 11)
+    """
+    try:
+        meta = np.dtype(dtype).metadata
+    except TypeError:
+        return None
+    name = meta.get("tf_dtype") if meta else None
+    return name if name in _QUANTIZED_ENUM else None
+
+
+def quantized(name: str) -> np.dtype:
+    """The tagged integer dtype of TF's quantized type `name` (qint8, quint8, qint16, quint16, qint32).
+
+    Tag an array with it (``values.astype(quantized("qint8"))``) and `write_bundle` stores it as that
+    TF type; reading it back gives the same tagged dtype.
+    """
+    try:
+        return QUANTIZED[_QUANTIZED_ENUM[name]]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a TF quantized type; expected one of {sorted(_QUANTIZED_ENUM)}.") from None
+
+
+class _EnumOf(dict):
+    """{numpy dtype: TF enum}, where a dtype tagged as a quantized type maps to that type's enum."""
+
+    def __getitem__(self, dtype: np.dtype) -> int:
+        name = tf_name(dtype)
+        return _QUANTIZED_ENUM[name] if name is not None else super().__getitem__(np.dtype(dtype))
+
+    def __contains__(self, dtype: object) -> bool:
+        return tf_name(dtype) is not None or super().__contains__(dtype)  # type: ignore[arg-type]
+
+    def get(self, dtype, default=None):
+        return self[dtype] if dtype in self else default
+
+
+ENUM_OF: dict[np.dtype, int] = _EnumOf({v: k for k, v in BY_ENUM.items()})
 BY_NAME: dict[str, np.dtype] = {d.name: d for d in BY_ENUM.values()}
+BY_ENUM.update(QUANTIZED)  # after ENUM_OF and BY_NAME: a tagged dtype must not stand in for its plain integer
 STRING_ENUM = types_pb2.DT_STRING
 
 
@@ -81,8 +148,24 @@ def fits(stored: np.dtype, want: np.dtype) -> bool:
     return stored == want or held_as(stored) == want
 
 
+def _refuse(value: np.ndarray, want: np.dtype, name: str, key: str, held: object, what: str) -> ValueError:
+    return ValueError(
+        f"Tensor {key!r} ({value.dtype}) holds {held}, {what} for variable {name!r} ({want}; JAX's 64-bit types "
+        "are disabled): enable them with jax.config.update('jax_enable_x64', True), or cast the value yourself "
+        f"and assign it, if the change is acceptable (from a TF or orbax checkpoint: "
+        f"checkpoint.read_checkpoint(path).get({key!r}).astype({want.name!r}))."
+    )
+
+
 def narrow(value: np.ndarray, want: np.dtype, name: str, key: str) -> np.ndarray:
-    """`value` as `want` (see the module docstring); ValueError naming `key` if an element would change."""
+    """`value` as `want` (see the module docstring); ValueError naming `key` if an element would change class.
+
+    >>> import numpy as np
+    >>> from checkpoint import _dtypes
+    >>> _dtypes.narrow(np.array([1e-300]), np.dtype("float32"), "w", "w")
+    Traceback (most recent call last):
+    ValueError: Tensor 'w' (float64) holds 1e-300, which float32 rounds to 0, for variable 'w' (float32; ...
+    """
     want = np.dtype(want)
     if value.dtype == want:
         return value
@@ -90,22 +173,18 @@ def narrow(value: np.ndarray, want: np.dtype, name: str, key: str) -> np.ndarray
         info = np.iinfo(want)
         lo, hi = value.min(), value.max()
         if lo < info.min or hi > info.max:
-            raise ValueError(
-                f"Tensor {key!r} ({value.dtype}) holds {lo if lo < info.min else hi}, out of range for variable "
-                f"{name!r} ({want}; JAX's 64-bit types are disabled): enable them with "
-                "jax.config.update('jax_enable_x64', True)."
-            )
-    with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+            raise _refuse(value, want, name, key, lo if lo < info.min else hi, "out of range")
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # checked just below
         out = value.astype(want)
     if np.issubdtype(value.dtype, np.inexact) and value.size:
-        # float64 -> float32 turns values beyond float32's range into inf: refuse, as for integers.
+        # float64 -> float32 turns values beyond float32's range into inf, and those below its smallest
+        # subnormal into 0: either changes what the value is, so refuse, as for integers.
         lost = np.isfinite(value) & ~np.isfinite(out)
         if lost.any():
-            raise ValueError(
-                f"Tensor {key!r} ({value.dtype}) holds {value[lost].flat[0]}, out of range for variable "
-                f"{name!r} ({want}; JAX's 64-bit types are disabled): enable them with "
-                "jax.config.update('jax_enable_x64', True)."
-            )
+            raise _refuse(value, want, name, key, value[lost].flat[0], "out of range")
+        vanished = (value != 0) & (out == 0)
+        if vanished.any():
+            raise _refuse(value, want, name, key, value[vanished].flat[0], f"which {want.name} rounds to 0,")
     return out
 
 

@@ -22,7 +22,7 @@ from checkpoint._checkpoint import Checkpoint
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._publish import MANAGER_FILE
 from checkpoint._status import LoadStatus
-from checkpoint._storage import read_checkpoint_state, record_latest
+from checkpoint._storage import _distributed, read_checkpoint_state, record_latest
 from checkpoint._storage._files import sync_directory, sync_file
 
 _JOURNAL_FORMAT = "varstate-checkpoint-manager"
@@ -259,7 +259,9 @@ class CheckpointManager:
     a reopened manager ranks the same way. ``keep_every_n_steps`` preserves,
     as TF's, a checkpoint leaving the kept list whose step is a multiple of
     it: it is no longer managed and never deleted. ``format="tf"`` writes TF
-    TensorBundles (``ckpt-N.index`` + data) that TensorFlow restores.
+    TensorBundles (``ckpt-N.index`` + data) that TensorFlow restores;
+    ``packed=False`` writes every value as its own orbax array, named by its
+    checkpoint key, that plain orbax reads (see `Checkpoint.write`).
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> w = varstate.Variable(jnp.zeros(2))
@@ -285,6 +287,7 @@ class CheckpointManager:
         best_fn: Callable[[dict[str, Any]], Any] | None = None,
         best_mode: str = "max",
         format: str = "orbax",
+        packed: bool = True,
     ) -> None:
         for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (type(value) is not int or value < 1):
@@ -305,6 +308,7 @@ class CheckpointManager:
         self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
         self.save_interval_steps = save_interval_steps
         self.format = format
+        self._packed = packed
         self._name = checkpoint_name
         self._best_fn, self._best_mode = best_fn, best_mode
         self._step_pattern = re.compile(re.escape(checkpoint_name) + r"-(\d+)(\.varstate-standin-[0-9a-f]{16})?")
@@ -466,8 +470,17 @@ class CheckpointManager:
         _publish.check_replaceable(path, self.format, "CheckpointManager.save")
         ckpt = Checkpoint(**roots)
         ckpt.save_counter, ckpt._counter_tracked = step, True
-        lock = _publish.begin(self.directory, self._remove_unrecorded)
-        temp = _publish.temporary(path, "new")
+        # In a jax.distributed job process 0 alone touches what is shared (lock, leftovers, state file,
+        # deletions); every process writes its own shards between barriers (`_storage/_distributed.py`).
+        primary = _distributed.is_primary()
+        lock = _publish.begin(self.directory, self._remove_unrecorded) if primary else None
+        try:
+            temp = _distributed.agree(_publish.temporary(path, "new"))
+            _distributed.barrier(f"varstate-begin:{path}")
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         try:
             if not overwrite and (step in self._steps or _publish.exists(path)):
                 raise StepAlreadyExistsError(
@@ -476,12 +489,18 @@ class CheckpointManager:
                     "another step."
                 )
             checkpointer = self._orbax_checkpointer() if self.format == "orbax" else None
-            finish = ckpt._start_write(temp, self.format, checkpointer, background=self._async)
+            try:
+                finish = ckpt._start_write(temp, self.format, checkpointer, background=self._async,
+                                           packed=self._packed)
+            except Exception as e:  # orbax's own collectives fail this way when a process dies
+                raise _distributed.lost_peer(e, "writing the checkpoint") from e
         except BaseException:
             try:
-                _publish.remove(temp)
+                if primary:
+                    _publish.remove(temp)
             finally:
-                lock.release()
+                if lock is not None:
+                    lock.release()
             raise
         job = (step, temp, path, finish, metrics, score, lock)
         if not self._async:
@@ -525,23 +544,32 @@ class CheckpointManager:
             self._journal.store()
 
     def _complete(self, step, temp, path, finish, metrics, score, lock) -> None:
+        primary = _distributed.is_primary()
         try:
             try:
-                finish()
-                # Entered before the checkpoint is in place: if this save dies before recording it, the next
-                # save knows the checkpoint at `path` for an orphan (and this save's metrics, if it was recorded).
-                self._journal.saving[os.path.basename(path)] = {
-                    "since": time.time(), "metrics": metrics, "replaces": _publish.exists(path)}
-                self._journal.store()
-                _publish.publish(temp, path)
+                try:
+                    finish()
+                except Exception as e:
+                    raise _distributed.lost_peer(e, "writing the checkpoint") from e
+                _distributed.barrier(f"varstate-written:{path}")  # every process's shards are on disk
+                if primary:
+                    # Entered before the checkpoint is in place: if this save dies before recording it, the next
+                    # save knows the checkpoint at `path` for an orphan (and this save's metrics, if recorded).
+                    self._journal.saving[os.path.basename(path)] = {
+                        "since": time.time(), "metrics": metrics, "replaces": _publish.exists(path)}
+                    self._journal.store()
+                    _publish.publish(temp, path)
             except BaseException:
-                _publish.remove(temp)
+                if primary:
+                    _publish.remove(temp)
                 raise
-            self._commit(step, metrics, score)
+            self._commit(step, metrics, score, primary)
+            _distributed.barrier(f"varstate-committed:{path}")  # no process goes on before it is the latest
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
 
-    def _commit(self, step: int, metrics: dict[str, Any] | None, score: float | None) -> None:
+    def _commit(self, step: int, metrics: dict[str, Any] | None, score: float | None, primary: bool = True) -> None:
         path = self._path(step)
         name = os.path.basename(path)
         self._standins.pop(step, None)
@@ -557,19 +585,23 @@ class CheckpointManager:
         # Those to delete stay listed until they are gone: a kill in between leaves them listed (the next
         # commit deletes them), never unlisted and on disk for good.
         listed = [s for s in steps if s not in preserved]
-        record_latest(self.directory, path, [self._locate(s) for s in listed], preserved=bool(preserved))
+        if primary:  # the other processes of a jax.distributed job only keep the same lists
+            record_latest(self.directory, path, [self._locate(s) for s in listed], preserved=bool(preserved))
         self._steps = listed
         for s in doomed:
-            _publish.retire(self._locate(s))
+            if primary:
+                _publish.retire(self._locate(s))
             self._standins.pop(s, None)
         if doomed:
             self._steps = [s for s in listed if s not in removed]
-            record_latest(self.directory, path, [self._locate(s) for s in self._steps])
+            if primary:
+                record_latest(self.directory, path, [self._locate(s) for s in self._steps])
         for s in removed:
             self._journal.metrics.pop(os.path.basename(self._path(s)), None)
             self._scores.pop(s, None)
         self._journal.saving.pop(name, None)
-        self._journal.store()
+        if primary:
+            self._journal.store()
 
     def _to_remove(self, steps: list[int]) -> list[int]:
         """The steps (in saving order, newest last) that `max_to_keep` and `best_fn` leave out."""

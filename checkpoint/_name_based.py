@@ -5,6 +5,15 @@ checkpoint names or scopes, values are names or scopes of the variables being
 restored (or the Variables themselves). Partitioned variables match by their
 full name; each shard takes its slice of the reassembled tensor, so the shard
 layout need not be the one that was saved.
+
+Two fallbacks make a TF checkpoint resume with no map, as TF's `Saver` does:
+on an object-based checkpoint a name also matches an object-graph attribute's
+``full_name`` (TF's `object_graph_key_mapping`), and an optimizer state's
+slots match TF1's slot names. TF1's `slot_creator` names a variable's slots
+``<var>/<optimizer name>`` in creation order, uniquified by variable scope:
+the first ``<var>/Adam``, the next ``<var>/Adam_1`` (a partitioned variable's
+slot is saved under its full name, ``emb/Adam``); non-slots (``beta1_power``)
+keep their names.
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ import jax
 import numpy as np
 
 from checkpoint import _dtypes, _keys, _storage
-from varstate import PartitionedVariable, Variable
+from varstate import PartitionedVariable, Variable, _seam
+from varstate.optimizers import OptimizerState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +38,12 @@ class NameBasedLoadStatus:
     Attributes:
       params: the restored pytree: the template's structure and resource ids.
       matched: {variable name: checkpoint key} for every variable restored
-        (a partitioned variable appears once, under its full name).
+        (a partitioned variable appears once, under its full name; an
+        optimizer slot under its own name, e.g. ``dense/kernel/m``).
       missing_in_checkpoint: names of the template's variables that got no value
         (they keep the template's value).
       unused_in_checkpoint: checkpoint keys that no variable took.
+      optimizer_state: the restored `OptimizerState` when one was given, else None.
 
     >>> import numpy as np, jax.numpy as jnp, varstate, checkpoint, tempfile, os
     >>> prefix = os.path.join(tempfile.mkdtemp(), "model.ckpt")
@@ -49,6 +61,7 @@ class NameBasedLoadStatus:
     matched: dict[str, str]
     missing_in_checkpoint: tuple[str, ...]
     unused_in_checkpoint: tuple[str, ...]
+    optimizer_state: Any = None
 
     def assert_existing_objects_matched(self) -> NameBasedLoadStatus:
         """AssertionError unless every variable of the template was restored."""
@@ -172,17 +185,126 @@ def _check_dtype(have: np.dtype, want: np.dtype, name: str, key: str) -> None:
         )
 
 
+# TF1's slot names: {our slot names: [(TF1 optimizer's default name, our slots in TF1's creation order)]}.
+# Each optimizer's `_create_slots` makes them in this order; the k-th gets the suffix `_k` (k > 0).
+# Adagrad and ProximalAdagrad share a slot set: the checkpoint's names tell which one saved it.
+TF1_SLOTS: dict[frozenset[str], tuple[tuple[str, tuple[str, ...]], ...]] = {
+    frozenset(order): tuple((name, order) for name in names)
+    for names, order in (
+        (("Adam",), ("m", "v")),
+        (("Momentum",), ("momentum",)),
+        (("RMSProp",), ("rms", "momentum")),
+        (("RMSProp",), ("rms", "mg", "momentum")),
+        (("Adagrad", "ProximalAdagrad"), ("accumulator",)),
+        (("Adadelta",), ("accum", "accum_update")),
+        (("Ftrl",), ("accum", "linear")),
+        (("AdagradDA",), ("gradient_accumulator", "gradient_squared_accumulator")),
+    )
+}
+
+
+def tf1_slot_name(optimizer_name: str, order: tuple[str, ...], slot: str) -> str:
+    """The suffix TF1 gives slot `slot` of an optimizer named `optimizer_name` that creates `order`.
+
+    >>> from checkpoint._name_based import tf1_slot_name
+    >>> tf1_slot_name("Adam", ("m", "v"), "v"), tf1_slot_name("RMSProp", ("rms", "mg", "momentum"), "mg")
+    ('Adam_1', 'RMSProp_1')
+    """
+    k = order.index(slot)
+    return optimizer_name if k == 0 else f"{optimizer_name}_{k}"
+
+
+def _variables(leaves: list, start: int, stop: int) -> tuple[dict[str, list[int]], dict[int, str]]:
+    groups: dict[str, list[int]] = {}
+    by_id: dict[int, str] = {}
+    for i in range(start, stop):
+        leaf = leaves[i]
+        if isinstance(leaf, Variable):
+            name = _full_name(leaf)
+            groups.setdefault(name, []).append(i)
+            by_id[leaf.resource_id] = name
+    return groups, by_id
+
+
+def _full_names(reader: Any) -> dict[str, str]:
+    """{attribute full_name: checkpoint key} of an object-based checkpoint (TF's object_graph_key_mapping)."""
+    graph = getattr(reader, "object_graph", None)
+    if graph is None:
+        return {}
+    return {a.full_name: a.checkpoint_key for node in graph.nodes for a in node.attributes if a.full_name}
+
+
+def _slot_layout(state: Any, ckpt_keys: set[str], optimizer_name: str | None) -> tuple[str, tuple[str, ...]] | None:
+    """(TF1 optimizer name, slot creation order) for the state's slots, or None if TF1 has no such optimizer."""
+    names = frozenset(n for n in state.slots if jax.tree_util.tree_leaves(
+        state.slots[n], is_leaf=lambda x: isinstance(x, Variable)))
+    layouts = TF1_SLOTS.get(names)
+    if not layouts:
+        return None
+    if optimizer_name is not None:
+        return optimizer_name, layouts[0][1]
+    for name, order in layouts:  # the one whose names the checkpoint holds
+        if any(k.endswith("/" + name) for k in ckpt_keys):
+            return name, order
+    return layouts[0]
+
+
+def _state_plan(leaves, groups, by_id_params, plan, ckpt_keys, full_names, layout, mapped, scope) -> dict[str, str]:
+    """{state variable name: checkpoint key}: slots follow their primary, non-slots keep their names."""
+    out: dict[str, str] = {}
+    for name, idx in groups.items():
+        link = _seam.slot_link(leaves[idx[0]])
+        if link is None:
+            candidates = [scope + name, name]
+        else:
+            rid, slot = link
+            primary = by_id_params.get(rid, name[: -len(slot) - 1])
+            if mapped and primary not in plan:
+                continue  # the map leaves this slot's primary alone, so its slots too
+            base = plan.get(primary, primary)
+            candidates = [f"{base}/{slot}"]
+            if layout is not None:
+                candidates.append(f"{scope}{base}/{tf1_slot_name(layout[0], layout[1], slot)}")
+        for c in candidates:
+            key = c if c in ckpt_keys else full_names.get(c)
+            if key in ckpt_keys:
+                out[name] = key
+                break
+    return out
+
+
 def restore_by_name(
     prefix: str | os.PathLike,
     params: Any,
     assignment_map: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+    *,
+    optimizer_state: OptimizerState | None = None,
+    optimizer_name: str | None = None,
+    optimizer_scope: str = "",
 ) -> NameBasedLoadStatus:
     """Restores a name-based (TF1 `tf.compat.v1.train.Saver`) checkpoint into `params` by variable name.
 
     Every `Variable` in `params` (any pytree) is matched by its `.name`, scopes
     included; a `PartitionedVariable` (or a shard with a `save_slice_info`)
     matches by its full name, and each shard takes its slice of the
-    reassembled tensor.
+    reassembled tensor. On an object-based (TF2) checkpoint a name also
+    matches the ``full_name`` its object graph records, as TF's `Saver` does:
+    a tf-keras model's ``lstm_model/dense/kernel`` restores with no map.
+
+    `optimizer_state` (an `OptimizerState` for these params) is restored
+    too, into ``status.optimizer_state``: each slot from its own name
+    (``<var>/m``) or TF1's (``<var>/Adam`` for ``m``, ``<var>/Adam_1`` for
+    ``v``; ``<var>/Momentum``; ``<var>/RMSProp``, ``_1``, ``_2`` for ``rms``,
+    ``mg`` if centered, ``momentum``; ``<var>/Adagrad`` or
+    ``<var>/ProximalAdagrad``; ``<var>/Adadelta``, ``_1``; ``<var>/Ftrl``,
+    ``_1``; ``<var>/AdagradDA``, ``_1``), and non-slots by name
+    (``beta1_power``, ``beta2_power``), so a TF1 run resumes with no map.
+    Pass `optimizer_name` if the TF1 optimizer was created with another
+    ``name=``, and `optimizer_scope` if its ``minimize``/``apply_gradients``
+    ran inside a ``variable_scope``: TF1 then prefixes its slots and non-slots
+    with it (``train/dense/kernel/Adam``, ``train/beta1_power``; a name scope
+    changes nothing). With an `assignment_map`, a slot follows its primary's checkpoint
+    name, and only the slots of mapped variables are restored.
 
     Without `assignment_map`, every variable whose name is in the checkpoint is
     restored and the rest are reported. With one, only what it names is
@@ -200,8 +322,9 @@ def restore_by_name(
 
     `prefix` is anything `read_checkpoint` opens: a prefix, a directory (its
     ``checkpoint`` file's latest) or an orbax checkpoint. Returns a
-    `NameBasedLoadStatus` (`.params`, `.matched`, `.missing_in_checkpoint`,
-    `.unused_in_checkpoint`, `assert_consumed()`). Nothing is restored if any
+    `NameBasedLoadStatus` (`.params`, `.optimizer_state`, `.matched`,
+    `.missing_in_checkpoint`, `.unused_in_checkpoint`, `assert_consumed()`).
+    Nothing is restored if any
     pair fails: ValueError for a shape mismatch (naming both names and shapes)
     or a name missing from the checkpoint, TypeError for a dtype mismatch (TF
     refuses those too). One exception to exact dtypes: with JAX's 64-bit types
@@ -216,25 +339,50 @@ def restore_by_name(
     >>> status = checkpoint.restore_by_name(prefix, params, {"bert/": "encoder/"})
     >>> status.params["kernel"].value.tolist(), status.matched
     ([[5.0, 5.0], [5.0, 5.0]], {'encoder/dense/kernel': 'bert/dense/kernel'})
+
+    A TF1 Momentum run's slots (``<var>/Momentum``) resume into an optimizer state:
+
+    >>> from varstate.optimizers import Momentum
+    >>> tf1 = {"w": np.ones(2, np.float32), "w/Momentum": np.full(2, 0.5, np.float32)}
+    >>> _ = checkpoint.write_name_based(prefix, tf1)
+    >>> w = varstate.Variable(jnp.zeros(2), name="w", registry=r)
+    >>> status = checkpoint.restore_by_name(prefix, [w], optimizer_state=Momentum(0.1, 0.9).init([w]))
+    >>> status.optimizer_state.get_slot(w, "momentum").value.tolist(), status.matched
+    ([0.5, 0.5], {'w': 'w', 'w/momentum': 'w/Momentum'})
     """
     where = os.fspath(prefix)
     reader = _storage.open_reader(prefix)
     ckpt_keys = set(reader.keys())
     ckpt_keys.discard(_keys.OBJECT_GRAPH_KEY)
+    full_names = _full_names(reader)
+    if optimizer_state is not None and not isinstance(optimizer_state, OptimizerState):
+        raise TypeError(
+            f"restore_by_name: optimizer_state must be an OptimizerState (from opt.init(params)), got "
+            f"{type(optimizer_state).__name__}."
+        )
 
-    leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=lambda x: isinstance(x, Variable))
-    groups: dict[str, list[int]] = {}
-    by_id: dict[int, str] = {}
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, Variable):
-            name = _full_name(leaf)
-            groups.setdefault(name, []).append(i)
-            by_id[leaf.resource_id] = name
+    is_var = lambda x: isinstance(x, Variable)
+    n_params = len(jax.tree_util.tree_leaves(params, is_leaf=is_var))
+    leaves, treedef = jax.tree_util.tree_flatten((params, optimizer_state), is_leaf=is_var)
+    groups, by_id = _variables(leaves, 0, n_params)
 
     if assignment_map is None:
-        plan = {name: name for name in groups if name in ckpt_keys}
+        plan = {}
+        for name in groups:
+            key = name if name in ckpt_keys else full_names.get(name)
+            if key in ckpt_keys:
+                plan[name] = key
     else:
         plan = _plan(_pairs(assignment_map), groups, by_id, ckpt_keys, where)
+    if optimizer_state is not None:
+        state_groups, _ = _variables(leaves, n_params, len(leaves))
+        layout = _slot_layout(optimizer_state, ckpt_keys, optimizer_name)
+        scope = optimizer_scope.strip("/") + "/" if optimizer_scope.strip("/") else ""
+        state_plan = _state_plan(leaves, state_groups, by_id, plan, ckpt_keys, full_names, layout,
+                                 assignment_map is not None, scope)
+        for name, idx in state_groups.items():
+            groups.setdefault(name, []).extend(idx)
+        plan.update({n: k for n, k in state_plan.items() if n not in plan})
 
     # Check everything before reading anything: a failed restore changes nothing.
     for name, key in plan.items():
@@ -259,11 +407,13 @@ def restore_by_name(
                 part = part[_keys.slice_index(info.var_offset, info.var_shape)]
             new[i] = v.assign(part)
     used = set(plan.values())
+    restored, state = jax.tree_util.tree_unflatten(treedef, new)
     return NameBasedLoadStatus(
-        params=jax.tree_util.tree_unflatten(treedef, new),
+        params=restored,
         matched={name: plan[name] for name in sorted(plan)},
         missing_in_checkpoint=tuple(sorted(n for n in groups if n not in plan)),
         unused_in_checkpoint=tuple(sorted(ckpt_keys - used)),
+        optimizer_state=state,
     )
 
 

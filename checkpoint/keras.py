@@ -1,4 +1,9 @@
-"""Keras weights without Keras or TensorFlow: `load_weights`, `save_weights`, `assign_weights`.
+"""Keras weights and optimizer state without Keras or TensorFlow.
+
+Weights: `load_weights`, `save_weights`, `assign_weights`. Optimizer state:
+`load_optimizer_state`, `save_optimizer_state` (Keras 3's and tf.keras 2's
+layouts in TF checkpoints, Keras 3's ``optimizer/vars`` in ``.weights.h5``
+and ``.keras``), for the optimizers of `varstate.optimizers.keras`.
 
 Read (format found from the file itself, not its name):
 
@@ -17,7 +22,7 @@ Weights come back as a `KerasWeights`: a dict, layer name -> {weight name ->
 Variable's name is its Keras path relative to the model (``"dense/kernel"``,
 ``"lstm/lstm_cell/kernel"``; Keras 3 prefixes the variables of a Sequential
 model with the model's name, which is left out). Optimizer state is not
-returned.
+returned (`load_optimizer_state` reads it).
 
 Where names come from: TF checkpoints and legacy HDF5 record every
 variable's Keras path. A Keras 3 ``.weights.h5`` records each layer's name
@@ -51,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import varstate
-from checkpoint import _dtypes, _storage
+from checkpoint import _dtypes, _keras_optimizer, _storage
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._keras_read import (
     _VARS,
@@ -73,7 +78,9 @@ __all__ = [
     "KerasWeights",
     "LayerLayout",
     "assign_weights",
+    "load_optimizer_state",
     "load_weights",
+    "save_optimizer_state",
     "save_weights",
 ]
 
@@ -137,7 +144,14 @@ def load_weights(
 
 
 # --- saving --------------------------------------------------------------------------------------
-def save_weights(path: str | os.PathLike, weights: Mapping[str, Any], *, like: str | os.PathLike | None = None) -> str:
+def save_weights(
+    path: str | os.PathLike,
+    weights: Mapping[str, Any],
+    *,
+    like: str | os.PathLike | None = None,
+    optimizer: Any = None,
+    optimizer_state: Any = None,
+) -> str:
     """Writes `weights` as a Keras 3 ``.weights.h5`` that Keras's ``model.load_weights`` reads; returns the path.
 
     `weights` is layer name -> {weight name -> Variable, array or scalar}
@@ -148,8 +162,12 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any], *, like: s
     or else from `weights.layout` when `weights` is a `KerasWeights` read from
     a Keras 3 file. Every weight of the layout must be present with the
     layout's shape, and every weight given must be used; the first exception
-    is named. Optimizer state is not written (Keras then keeps the model's
-    own optimizer state, with a warning if it has one).
+    is named. Optimizer state is written when `optimizer` (a
+    `varstate.optimizers.keras` optimizer) and its `optimizer_state` (made
+    on `weights`, e.g. by `load_optimizer_state`) are given, as Keras's
+    ``optimizer/vars/N``; Keras's ``model.load_weights`` loads it into a
+    compiled model whose optimizer is built. Otherwise Keras keeps the
+    model's own optimizer state (with a warning if it has one).
 
     The file is written next to `path` and renamed into place.
 
@@ -187,6 +205,11 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any], *, like: s
             + "pass like=<a .weights.h5 or .keras file Keras wrote for the same model>"
         )
     planned = _plan(weights, layout, source)
+    opt_values = None
+    if (optimizer is None) != (optimizer_state is None):
+        raise ValueError("save_weights writes optimizer state from both optimizer= and optimizer_state=; pass both")
+    if optimizer is not None:
+        opt_values = _keras_optimizer.h5_values(optimizer, weights, optimizer_state)
     h5py = _h5py()
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
@@ -200,6 +223,11 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any], *, like: s
                     ds = group.create_dataset(str(i), data=value, track_times=False)
                     if value.dtype.name == "bfloat16":  # stored as 2 opaque bytes; Keras reads it back by this mark
                         ds.attrs["dtype"] = "bfloat16"
+            if opt_values is not None:
+                group = f.create_group(f"optimizer/{_VARS}")
+                group.attrs["name"] = opt_values[0]
+                for i, value in enumerate(opt_values[1]):
+                    group.create_dataset(str(i), data=value, track_times=False)
         with open(tmp, "rb+") as f:
             sync_file(f)
         os.replace(tmp, path)
@@ -419,3 +447,101 @@ def _fit(name: str, leaf: Any, source: str, value: Any) -> Any:
     out = jnp.asarray(value.astype(want, copy=False))
     sharding = getattr(leaf, "sharding", None)
     return jax.device_put(out, sharding) if sharding is not None else out
+
+
+# --- optimizer state ---------------------------------------------------------------------------
+def load_optimizer_state(
+    path: str | os.PathLike, optimizer: Any, params: Any = None, *, node: str = "optimizer"
+) -> tuple[Any, Any]:
+    """Reads a Keras optimizer's state (and its trainable variables) from a TF checkpoint: ``(params, state)``.
+
+    `optimizer` is the `varstate.optimizers.keras` optimizer made as Keras's
+    was (same class, ``amsgrad``, ``momentum``, ``centered``, float or
+    schedule learning rate): its `keras_layout` says which of Keras 3's
+    ``<node>/_variables/N`` is which slot or counter; each variable's Keras
+    name (``adam/dense_kernel_momentum``) is checked against it. The state's
+    ``iteration`` is Keras's int64 counter (saved back as int64) and its
+    ``learning_rate`` Keras's stored one.
+
+    A tf.keras 2 checkpoint (tf-keras ``optimizer_v2``: ``<node>/iter`` and
+    slots under ``.OPTIMIZER_SLOT``) is read too: its slot names (``m``,
+    ``v``, ``vhat``, ``rms``, ``mg``, ``accum_grad``, ...) become Keras 3's,
+    ``iter`` becomes ``iteration``; its variables are matched to `params`
+    by name when the names agree, else by order.
+
+    A Keras 3 ``.weights.h5`` or ``.keras`` of a compiled model holds the
+    optimizer's variables as ``optimizer/vars/N``, in the same order but
+    without names (shapes are checked); `params` then defaults to the
+    model's weights (`load_weights`), whose trainable ones, in Keras's layer
+    order, are the optimizer's variables.
+
+    `params`: None to take the trainable variables the optimizer recorded
+    (``<node>/_trainable_variables/i``) as new Variables, in Keras's order;
+    or the model's trainable params (any pytree whose trainable leaves are
+    in Keras's order of ``model.trainable_variables``), which come back with
+    the checkpoint's values. `node` is the optimizer's path in the object
+    graph (``tf.train.Checkpoint(optimizer=...)`` and ``model.save_weights``
+    of a compiled model both use ``"optimizer"``).
+
+    >>> import os, tempfile, jax.numpy as jnp, varstate
+    >>> from checkpoint import keras
+    >>> from varstate.optimizers import keras as keras_opt
+    >>> opt = keras_opt.Adam(0.01)
+    >>> w = varstate.Variable(jnp.ones(2), name="dense/kernel")
+    >>> state = opt.init([w])
+    >>> (w,), state = opt.apply_gradients([jnp.ones(2)], [w], state)
+    >>> path = keras.save_optimizer_state(os.path.join(tempfile.mkdtemp(), "ckpt"), opt, [w], state)
+    >>> (w2,), state2 = keras.load_optimizer_state(path, opt)
+    >>> w2.name, state2.non_slot("iteration").value.item(), state2.slots["velocity"][0].name
+    ('dense/kernel', 1, 'dense/kernel/velocity')
+    """
+    where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    if isinstance(where, str) and os.path.isfile(where) and (zipfile.is_zipfile(where) or _is_hdf5(where)):
+        _keras_optimizer.check_optimizer(optimizer)
+        return _keras_optimizer.load_optimizer_state(
+            where, optimizer, params, h5_params=load_weights(where) if params is None else params)
+    return _keras_optimizer.load_optimizer_state(path, optimizer, params, node=node)
+
+
+def save_optimizer_state(
+    path: str | os.PathLike,
+    optimizer: Any,
+    params: Any,
+    state: Any,
+    *,
+    name: str | None = None,
+    layout: str = "keras3",
+    model: str = "model",
+) -> str:
+    """Writes `params` and a Keras optimizer's `state` as Keras 3 does (``tf.train.Checkpoint(optimizer=opt)``).
+
+    The TF checkpoint at `path` holds ``optimizer/_iterations`` (int64),
+    ``optimizer/_learning_rate``, ``optimizer/_variables/N`` in Keras's
+    order and ``optimizer/_trainable_variables/i`` (the params, in their
+    pytree order, which must be Keras's order of trainable variables), with
+    Keras's variable names (``<name>/<param path with _>_<slot>``; `name`
+    defaults to Keras's default optimizer name, ``adam``, ``rm_sprop``...).
+    Keras restores it, params and state, with
+    ``tf.train.Checkpoint(optimizer=opt).restore(path)`` once ``opt`` is
+    built on the model's trainable variables. Returns `path`.
+
+    ``layout="tf_keras2"`` writes tf.keras 2's (tf-keras ``optimizer_v2``)
+    instead, as ``tf.train.Checkpoint(<model>=params, optimizer=opt)``
+    saves it: ``optimizer/iter`` (int64), ``learning_rate``, ``decay`` and
+    the hyperparameter variables, each slot under its variable's
+    ``.OPTIMIZER_SLOT/optimizer/<tf.keras slot name>`` (``m``, ``v``,
+    ``vhat``, ``rms``, ``mg``, ...); `params` are written at `model` as
+    the pytree they are (SGD, Adam, Adamax, RMSprop, Adagrad, Adadelta).
+
+    >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
+    >>> from checkpoint import keras
+    >>> from varstate.optimizers import keras as keras_opt
+    >>> opt = keras_opt.SGD(0.1, momentum=0.9)
+    >>> w = varstate.Variable(jnp.ones(2), name="kernel")
+    >>> path = keras.save_optimizer_state(os.path.join(tempfile.mkdtemp(), "ckpt"), opt, [w], opt.init([w]))
+    >>> sorted(checkpoint.read_checkpoint(path).keys())
+    ['optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE', 'optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE', \
+'optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE', 'optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE']
+    """
+    return _keras_optimizer.save_optimizer_state(path, optimizer, params, state, name=name, layout=layout,
+                                                 model=model)

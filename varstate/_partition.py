@@ -110,6 +110,9 @@ class PartitionedVariable:
 
     A pytree whose children are the shard Variables. Give `num_shards`,
     `max_shard_bytes` or a `partitioner(shape, dtype) -> partitions`.
+    `sharding` places every shard on it (each shard split over a mesh, for
+    instance; in a `jax.distributed` job a mesh of all processes' devices,
+    the initial value then being a global array).
 
     >>> import jax.numpy as jnp, varstate
     >>> pv = varstate.PartitionedVariable(jnp.arange(10.0).reshape(5, 2), name="emb", num_shards=2,
@@ -134,9 +137,13 @@ class PartitionedVariable:
         trainable: bool = True,
         dtype: Any = None,
         registry: Any = None,
+        sharding: jax.sharding.Sharding | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"PartitionedVariable name must be a non-empty string, got {name!r}.")
+        if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+            raise TypeError(f"PartitionedVariable {name!r}: sharding must be a jax.sharding.Sharding (each shard is "
+                            f"placed on it), got {type(sharding).__name__}.")
         given = [x is not None for x in (num_shards, max_shard_bytes, partitioner)]
         if sum(given) != 1:
             raise ValueError(
@@ -166,8 +173,9 @@ class PartitionedVariable:
         for i, (offset, shape) in enumerate(_slices(full_shape, parts[axis], axis)):
             index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
             info = SaveSliceInfo(full_name, full_shape, tuple(offset), tuple(shape))
+            part = value[index] if sharding is None else jax.device_put(value[index], sharding)
             shards.append(
-                Variable(value[index], name=f"{name}/part_{i}", trainable=trainable,
+                Variable(part, name=f"{name}/part_{i}", trainable=trainable,
                          save_slice_info=info, registry=registry)
             )
         self._variables = tuple(shards)

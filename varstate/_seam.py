@@ -61,4 +61,6 @@ def saved_dtype(var: Variable) -> np.dtype:
 
 def record_saved_dtype(var: Variable, dtype: Any) -> None:
     """Remember that `var` is stored as `dtype` (a restored int64 held as int32)."""
-    var.handle.saved_dtype = None if np.dtype(dtype) == np.dtype(var.dtype) else np.dtype(dtype)
+    # A quantized TF dtype compares equal to its integer storage: its metadata tag is what keeps it.
+    dtype = np.dtype(dtype)
+    var.handle.saved_dtype = None if dtype == np.dtype(var.dtype) and not dtype.metadata else dtype

@@ -173,7 +173,8 @@ def _copy(x: jax.Array) -> jax.Array:
     # (4 MB: 270 us against 520; 8 shards: 80 us against 135).
     if x.size <= 1 << 16 and isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
         return jnp.array(x, copy=True)
-    return jax.device_put(x, may_alias=False)
+    # The sharding named explicitly: without it a global array spanning other processes is moved to one device.
+    return jax.device_put(x, x.sharding, may_alias=False)
 
 
 def _as_value(value: Any, dtype: Any, what: str, copy: bool = True) -> Any:
@@ -342,6 +343,13 @@ class Variable(_ArrayOps):
             raise _donated(self)
         return value
 
+    @value.setter
+    def value(self, new_value: Any) -> None:
+        raise AttributeError(
+            f"Variable {self.name!r}: .value cannot be set; a Variable is immutable and assign returns the new "
+            "version: `v = v.assign(new_value)` (inside jit too)."
+        )
+
     @property
     def is_initialized(self) -> bool:
         return not isinstance(self._value, jax.ShapeDtypeStruct)
@@ -497,7 +505,22 @@ class Variable(_ArrayOps):
             return head + " (donated: use the version apply_gradients returned)>"
         if isinstance(self._value, Tracer):
             return head + f" value={self._value}>"
+        if jax.dtypes.issubdtype(self._value.dtype, jax.dtypes.prng_key):  # no NumPy form: show its key data
+            data = np.asarray(jax.random.key_data(self._value))
+            return head + f", key_data={np.array2string(data, threshold=20)}>"
         return head + f", numpy={np.array2string(np.asarray(self._value), threshold=20)}>"
+
+    def __copy__(self) -> Variable:
+        # A version is immutable: its copy is the same version (same value, same identity), as for a tuple.
+        return _from_parts(self._value, self._handle)
+
+    def __deepcopy__(self, memo: dict) -> Variable:
+        # The value is copied, the identity kept (identity is the resource, not the data): a deep copy of a model
+        # and its optimizer state keeps every slot linked to its primary, and saves to the same checkpoint keys.
+        value = self._value
+        if isinstance(value, jax.Array) and not isinstance(value, Tracer):
+            value = _copy(self.read_value())
+        return _from_parts(value, self._handle)
 
 
 def _flatten_with_keys(v: Variable):

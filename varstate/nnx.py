@@ -6,7 +6,14 @@ that path (``layers/0/kernel``) and trainable when its nnx type is a
 `nnx.Param`. varstate's optimizers then step it with TF's numerics and
 `checkpoint` saves it under TF's keys; `to_nnx` writes the values back into
 the Module (`nnx.update`). RNG state (`nnx.RngKey`, `nnx.RngCount`) is left
-to nnx: it is not a parameter and is restored by the Module's own code.
+out: it is not a parameter for an optimizer to step.
+
+A Module (or an `nnx.State`) is also a checkpoint root as it is, RNG state
+included: ``checkpoint.Checkpoint(model=module)`` saves every nnx Variable
+under its attribute path (``model/layers/0/kernel``, no ``value`` level: the
+keys TF gives a tf.Module of the same structure), each PRNG key as its key
+data and implementation; restoring into a Module template returns a new
+Module (`nnx.merge`), the template untouched.
 
 >>> import jax.numpy as jnp, varstate
 >>> from flax import nnx
@@ -17,6 +24,14 @@ to nnx: it is not a parameter and is restored by the Module's own code.
 ('kernel', True, (2, 3))
 >>> to_nnx(model, {"kernel": params["kernel"].assign(jnp.ones((2, 3))), "bias": params["bias"]})
 >>> float(model.kernel[...].sum())
+6.0
+
+>>> import os, tempfile, checkpoint
+>>> path = checkpoint.Checkpoint(model=model).save(os.path.join(tempfile.mkdtemp(), "ckpt"))
+>>> sorted(k for k in checkpoint.read_checkpoint(path).keys() if k.startswith("model/"))
+['model/bias/.ATTRIBUTES/VARIABLE_VALUE', 'model/kernel/.ATTRIBUTES/VARIABLE_VALUE']
+>>> restored = checkpoint.Checkpoint(model=nnx.Linear(2, 3, rngs=nnx.Rngs(1))).restore(path).model
+>>> float(restored.kernel[...].sum())
 6.0
 """
 

@@ -22,11 +22,18 @@ from checkpoint._graph._walk import (
     children,
     has_python,
     identity,
+    is_prng_key,
+    key_impl,
     kind,
     slot_variables,
+    unwrap,
 )
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 from varstate import PartitionedVariable, Variable, _seam
+
+# A PRNG key array is stored as its key data (uint32, under VARIABLE_VALUE) and, beside it on the same node,
+# the name of its implementation as a string: both are needed to rebuild the key (TF has no key arrays).
+PRNG_KEY_IMPL = "PRNG_KEY_IMPL"
 
 
 @dataclasses.dataclass
@@ -55,7 +62,7 @@ def build(roots: dict[str, Any]) -> Graph:
     objects: list[Any] = [None]
     kinds = [CONTAINER]
     node_of: dict[Any, int] = {}
-    queue = collections.deque([(0, [(name, roots[name]) for name in roots])])
+    queue = collections.deque([(0, [(name, unwrap(roots[name])) for name in roots])])
     while queue:
         parent, kids = queue.popleft()
         for name, child in kids:
@@ -87,6 +94,11 @@ def build(roots: dict[str, Any]) -> Graph:
             full_name = as_variable(obj).name if k == VARIABLE else obj.name if k == PARTITIONED else path
             _add_attribute(proto.nodes[node_id], attr, full_name, key)
             saveables.append(Saveable(key, obj, full_name, attr))
+            value = as_variable(obj).value if k == VARIABLE else obj
+            if k in (VARIABLE, ARRAY) and is_prng_key(value):
+                impl_key = _keys.attribute_key(path, PRNG_KEY_IMPL)
+                _add_attribute(proto.nodes[node_id], PRNG_KEY_IMPL, full_name, impl_key)
+                saveables.append(Saveable(impl_key, key_impl(value), full_name, PRNG_KEY_IMPL))
     # Slots: found through their primary's resource id among all nodes, as TF
     # asks each optimizer for the slot of every variable in the graph (a slot
     # whose primary is not saved is skipped).
@@ -180,20 +192,19 @@ def values(graph: Graph) -> dict[str, Any]:
         else:
             var = as_variable(obj)
             out[s.key] = _initialized(s.key, var.value if var is not None else obj)
-            if var is not None:
+            if is_prng_key(out[s.key]):
+                out[s.key] = jax.random.key_data(out[s.key])  # its implementation is the node's PRNG_KEY_IMPL
+            elif var is not None:
                 out[s.key] = _as_saved(var, out[s.key])
-            if isinstance(out[s.key], jax.Array) and jax.dtypes.issubdtype(out[s.key].dtype, jax.dtypes.prng_key):
-                raise TypeError(
-                    f"Cannot save {s.key!r}: a PRNG key array ({out[s.key].dtype}) has no storable dtype. Save "
-                    "jax.random.key_data(key) and rebuild the key with jax.random.wrap_key_data after restoring."
-                )
     return out
 
 
 def _as_saved(var: Variable, value: Any) -> Any:
     """`value` in the dtype `var` is stored as (TF's int64 counters held as int32 while 64-bit types are off)."""
     saved = _seam.saved_dtype(var)
-    return value if saved == var.dtype else np.asarray(jax.device_get(value)).astype(saved)
+    if saved == var.dtype and not getattr(saved, "metadata", None):  # a quantized tag must reach the writer
+        return value
+    return np.asarray(jax.device_get(value)).astype(saved)
 
 
 def _initialized(key: str, value: Any) -> Any:

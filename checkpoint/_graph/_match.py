@@ -18,7 +18,7 @@ import numpy as np
 
 from checkpoint import _dtypes, _keys
 from checkpoint._graph import _walk
-from checkpoint._graph._build import node_names
+from checkpoint._graph._build import PRNG_KEY_IMPL, node_names
 from checkpoint._graph._walk import ARRAY, CONTAINER, NONE, OPTIMIZER, PARTITIONED, PYTHON, VARIABLE
 from varstate import PartitionedVariable, Variable, _seam
 
@@ -34,6 +34,8 @@ class _Cell:
     label: str
     kind: int
     info: Any = None  # a SaveSliceInfo: take this slice of the stored full value
+    prng: bool = False  # a PRNG key array: the value is its key data
+    impl_key: str | None = None  # where the name of the key's implementation is stored, if it is
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,6 +48,14 @@ class _OptCell:
     node_id: int
     label: str
     slots: Any = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Merge:
+    """An nnx Module being restored: its graphdef and its state (holding cells), merged once values are loaded."""
+
+    graphdef: Any
+    state: Any
 
 
 class RestoreState:
@@ -83,7 +93,7 @@ def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
     opts: list[_OptCell] = []
     template_rids: set[int] = set()
     tree = {
-        name: _match(st, obj, top.get(name), f"(root).{name}", cells, opts, template_rids)
+        name: _match(st, _walk.unwrap(obj), top.get(name), f"(root).{name}", cells, opts, template_rids)
         for name, obj in roots.items()
     }
     for opt in opts:
@@ -95,9 +105,17 @@ def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
             slots = jax.tree.map(resolve, x.slots, is_leaf=_is_cell)
             non_slots = jax.tree.map(resolve, x.non_slots, is_leaf=_is_cell)
             return dataclasses.replace(x.template, slots=slots, non_slots=non_slots)
-        return _finish(x, loaded[x.key]) if isinstance(x, _Cell) else x
+        if isinstance(x, _Merge):  # merged whole: mapping over a Module as a pytree would unshare its Variables
+            return _walk.nnx_merge(x.graphdef, jax.tree.map(resolve, x.state, is_leaf=_is_cell))
+        if isinstance(x, _Cell):
+            return _finish(x, loaded[x.key], loaded[x.impl_key] if x.impl_key is not None else None)
+        return x
 
-    return {name: jax.tree.map(resolve, t, is_leaf=_is_cell) for name, t in tree.items()}
+    out = {name: jax.tree.map(resolve, t, is_leaf=_is_cell) for name, t in tree.items()}
+    for name, obj in roots.items():
+        if _walk.unwrap(obj) is not obj:  # an nnx Variable as a root: a new one of its type, as inside a Module
+            out[name] = obj.replace(out[name])
+    return out
 
 
 def _match(st: RestoreState, obj, node_id, label, cells, opts, rids) -> Any:
@@ -118,6 +136,11 @@ def _match(st: RestoreState, obj, node_id, label, cells, opts, rids) -> Any:
         if k in (VARIABLE, PARTITIONED):
             st.node_rids[node_id] = [v.resource_id for v in _shards(obj)]
         cell = _Cell(obj, node.attributes[0].checkpoint_key, label, k)
+        if k in (VARIABLE, ARRAY) and _walk.is_prng_key(_value(cell)):
+            # Without a stored implementation (key data saved by orbax or flax), the template's: the shape
+            # of the key data, checked before loading, is that implementation's.
+            cell.prng = True
+            cell.impl_key = next((a.checkpoint_key for a in node.attributes if a.name == PRNG_KEY_IMPL), None)
         cells.append(cell)
         return cell
     if not node.attributes:  # a saved value is not consumed by a container standing in its place
@@ -132,6 +155,9 @@ def _match(st: RestoreState, obj, node_id, label, cells, opts, rids) -> Any:
         opt = _OptCell(obj, non_slots, child(_walk.PLAIN_SLOTS, _walk.plain_slots(obj)), node_id, label)
         opts.append(opt)
         return opt
+    parts = _walk.nnx_split(obj)
+    if parts is not None:
+        return _Merge(parts[0], _walk.rebuild(parts[1], child, label))
     return _walk.rebuild(obj, child, label)
 
 def _unmatched(st: RestoreState, obj, k, label) -> None:
@@ -178,7 +204,11 @@ def _load(st: RestoreState, cells: list[_Cell]) -> dict[str, Any]:
     requests: dict[str, Any] = {}
     for cell in cells:
         target = None
-        if _check(reader, cell):
+        if cell.prng:
+            if cell.impl_key is not None:
+                requests.setdefault(cell.impl_key, None)
+            _check(reader, cell)  # key data: loaded on the host, wrapped into a key, then placed
+        elif _check(reader, cell):
             pass  # narrowed to JAX's 32-bit type on the host, where its range is checked
         elif cell.kind == VARIABLE and cell.info is None:
             target = _target_sharding(_walk.as_variable(cell.template).value)
@@ -203,7 +233,7 @@ def _load(st: RestoreState, cells: list[_Cell]) -> dict[str, Any]:
 
 
 def _is_cell(x: Any) -> bool:
-    return isinstance(x, (_Cell, _OptCell))
+    return isinstance(x, (_Cell, _OptCell, _Merge))
 
 
 def _shards(obj: Any) -> list[Variable]:
@@ -215,10 +245,18 @@ def _target_sharding(value: Any) -> Any:
     return sharding if isinstance(sharding, jax.sharding.Sharding) else None
 
 
+def _value(cell: _Cell) -> Any:
+    """The template's value: a Variable's value, or the array itself."""
+    return _walk.as_variable(cell.template).value if cell.kind == VARIABLE else cell.template
+
+
 def _expected(cell: _Cell) -> tuple[tuple[int, ...], np.dtype] | None:
     t = cell.template
     if cell.kind == PYTHON:
         return None
+    if cell.prng:
+        spec = _walk.key_data_spec(_value(cell))
+        return tuple(spec.shape), np.dtype(spec.dtype)
     if cell.kind == PARTITIONED:
         return tuple(t.shape), np.dtype(t.dtype)
     v = _walk.as_variable(t) if cell.kind == VARIABLE else t
@@ -255,8 +293,10 @@ def _place(value: Any, like: Any) -> jax.Array:
     return jax.device_put(np.asarray(value) if not isinstance(value, jax.Array) else value, sharding)
 
 
-def _finish(cell: _Cell, value: Any) -> Any:
+def _finish(cell: _Cell, value: Any, impl: Any = None) -> Any:
     t = cell.template
+    if cell.prng:
+        return _finish_key(cell, value, impl)
     want = _expected(cell)
     stored = np.dtype(value.dtype) if hasattr(value, "dtype") else None
     if cell.kind == ARRAY and want is not None and stored != want[1]:
@@ -303,3 +343,26 @@ def _slice_into(shard: Variable, full: np.ndarray, stored: np.dtype) -> Variable
     index = _keys.slice_index(info.var_offset, info.var_shape)
     _seam.record_saved_dtype(shard, stored)
     return _seam.with_value(shard, _place(np.ascontiguousarray(full[index]), shard.value))
+
+
+def _finish_key(cell: _Cell, data: Any, impl: Any) -> Any:
+    """A PRNG key rebuilt from its saved key data and implementation, placed as the template's key."""
+    want = _walk.key_impl(_value(cell))
+    if impl is None:
+        name: Any = want
+    else:
+        name = np.asarray(impl).reshape(-1)
+        name = name[0] if name.size == 1 else None
+        name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+    if not isinstance(name, str) or name != want:
+        raise TypeError(
+            f"Cannot restore {cell.label}: the checkpoint's PRNG key {cell.key!r} is of implementation {name!r} "
+            f"({cell.impl_key!r}), the object's is {want!r}. Make the template's key with "
+            f"jax.random.key(..., impl={name!r})."
+        )
+    key = jax.random.wrap_key_data(np.asarray(jax.device_get(data)), impl=name)
+    key = _place(key, _value(cell))
+    if cell.kind == ARRAY:
+        return key
+    var = _walk.as_variable(cell.template)
+    return _walk.rewrap(cell.template, _seam.with_value(var, key))

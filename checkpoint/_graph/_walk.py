@@ -4,10 +4,16 @@
 (dict key, field name, list index); `kind(obj)` says whether it is a
 container, a variable, a plain array, a Python scalar or an optimizer state;
 `rebuild` makes a new object of the same structure from new children.
+
+flax nnx: a Module's children are those of its `nnx.State` (each shared
+Variable once), and an nnx Variable stands for its value (nnx's ``value``
+level is no node), so a Module is named as TF names a tf.Module of the same
+attributes. A PRNG key array is saved as its key data (`key_data_spec`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -30,6 +36,57 @@ def as_variable(obj: Any) -> Variable | None:
         return obj
     get = getattr(type(obj), "__varstate_variable__", None)
     return get(obj) if get is not None else None
+
+
+def _nnx() -> Any:
+    """flax.nnx if it was imported (only then can an object be nnx's); never imports flax itself."""
+    return sys.modules.get("flax.nnx")
+
+
+def is_prng_key(value: Any) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``), or a ShapeDtypeStruct of one."""
+    dtype = getattr(value, "dtype", None)
+    return isinstance(value, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_impl(value: Any) -> str:
+    """The name of a PRNG key array's implementation (``threefry2x32``), as `jax.random.wrap_key_data` takes it."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        found: list[str] = []  # an abstract key: its dtype knows, asked while tracing
+        jax.eval_shape(lambda k: found.append(str(jax.random.key_impl(k))) or 0, value)
+        return found[0]
+    return str(jax.random.key_impl(value))
+
+
+def key_data_spec(value: Any) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of the key data a PRNG key array is saved as."""
+    return jax.eval_shape(jax.random.key_data, value)
+
+
+def unwrap(obj: Any) -> Any:
+    """An nnx Variable's value (nnx's ``value`` level is not a node); anything else as it is."""
+    nnx = _nnx()
+    if nnx is not None and isinstance(obj, nnx.Variable):
+        return obj.get_value()
+    return obj
+
+
+def nnx_split(obj: Any) -> tuple[Any, Any] | None:
+    """(graphdef, state) of an nnx Module (`nnx.split`), else None; `nnx_merge` puts them back together."""
+    nnx = _nnx()
+    return nnx.split(obj) if nnx is not None and isinstance(obj, nnx.Module) else None
+
+
+def nnx_merge(graphdef: Any, state: Any) -> Any:
+    return _nnx().merge(graphdef, state)
+
+
+def _as_state(obj: Any) -> Any:
+    """An nnx Module as its nnx.State (shared Variables once each, as nnx sees them); anything else as it is."""
+    nnx = _nnx()
+    if nnx is not None and isinstance(obj, nnx.Module):
+        return nnx.state(obj)
+    return obj
 
 
 def kind(obj: Any) -> int:
@@ -69,8 +126,8 @@ def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
         if jax.tree.leaves(plain):
             kids.append((PLAIN_SLOTS, plain))
         return kids
-    pairs, _ = _flatten_one(obj, where)
-    return [(key_name(path[0]), child) for path, child in pairs]
+    pairs, _ = _flatten_one(_as_state(obj), where)
+    return [(key_name(path[0]), unwrap(child)) for path, child in pairs]
 
 
 def _flatten_one(obj: Any, where: str) -> tuple[list, Any]:
@@ -115,9 +172,19 @@ def merge_slots(template: Any, variable_slots, plain: Any) -> Any:
 
 
 def rebuild(obj: Any, fn, where: str = "an object") -> Any:
-    """`obj` with each direct child replaced by `fn(local_name, child)`."""
+    """`obj` with each direct child replaced by `fn(local_name, child)`; an nnx Module or State comes back new."""
+    parts = nnx_split(obj)
+    if parts is not None:  # a new Module from the new state: shared Variables stay shared, as nnx.merge keeps them
+        return nnx_merge(parts[0], rebuild(parts[1], fn, where))
+    nnx = _nnx()
     pairs, treedef = _flatten_one(obj, where)
-    return treedef.unflatten([fn(key_name(path[0]), child) for path, child in pairs])
+
+    def one(path, child):
+        if nnx is not None and isinstance(child, nnx.Variable):  # keeps its type and metadata, new value
+            return child.replace(fn(key_name(path[0]), child.get_value()))
+        return fn(key_name(path[0]), child)
+
+    return treedef.unflatten([one(path, child) for path, child in pairs])
 
 
 def rewrap(obj: Any, new_variable: Variable) -> Any:

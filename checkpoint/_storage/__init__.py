@@ -2,9 +2,11 @@
 
 Every format is read through one `Reader` protocol, and `open_reader` is the
 one dispatch from a path to a reader: a TF TensorBundle prefix (object-based
-or name-based), an orbax-format directory, or a directory whose
-``checkpoint`` state file names one of those. Reading a TF checkpoint
-imports neither jax nor orbax; the orbax backend is imported on first use.
+or name-based), an orbax-format directory (this library's), a directory whose
+``checkpoint`` state file names one of those, or a checkpoint orbax itself
+wrote (a PyTree directory, a CheckpointManager step or, for the manager's
+directory, its latest step; `_orbax_native`). Reading a TF checkpoint imports
+neither jax nor orbax; the orbax backends are imported on first use.
 """
 
 from __future__ import annotations
@@ -62,15 +64,25 @@ def is_orbax(path: str) -> bool:
     return os.path.lexists(os.path.join(path, ORBAX_METADATA))
 
 
+def _ours_damaged(path: str) -> bool:
+    """This library's orbax layout (values/ and meta/) without its metadata: refused by our reader, saying so."""
+    return os.path.isdir(os.path.join(path, "values")) and os.path.isdir(os.path.join(path, "meta"))
+
+
 def open_reader(path: str | os.PathLike) -> Reader:
     """A reader for the checkpoint at `path` (see the module docstring); FileNotFoundError says what was expected."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"Checkpoint path must be a string, got {type(path).__name__} {path!r}.")
     target = _resolve(os.fspath(path))
-    if os.path.isdir(target):
+    # Ours first: it is an orbax composite too.
+    if os.path.isdir(target) and (is_orbax(target) or _ours_damaged(target)):
         from checkpoint._storage._orbax import OrbaxReader  # imports orbax and jax: only for orbax checkpoints
 
         return OrbaxReader(target)
+    if os.path.isdir(target):
+        from checkpoint._storage._orbax_native import OrbaxTreeReader
+
+        return OrbaxTreeReader(target)
     return BundleReader(target)
 
 
@@ -80,13 +92,22 @@ def _resolve(path: str, follow_state: bool = True) -> str:
     if os.path.isfile(path + ".index"):
         return path
     if os.path.isdir(path):
-        if is_orbax(path):
+        if is_orbax(path) or _ours_damaged(path):
             return path
         if follow_state and _present(os.path.join(path, STATE_FILE)):
             return _resolve(_latest(path), follow_state=False)
+        from checkpoint._storage import _orbax_native as native  # imports nothing heavy until a reader is made
+
+        if native.is_native(path):
+            return path
+        step = native.latest_step(path)
+        if step is not None:
+            return step
         raise FileNotFoundError(
             f"No checkpoint in directory {path}: it holds no {STATE_FILE!r} state file and is not an orbax "
-            "checkpoint. Pass a checkpoint prefix (the path before '.index') instead."
+            "checkpoint. Pass a checkpoint prefix (the path before '.index') instead, or an orbax checkpoint "
+            "directory: this library's (with meta/metadata), orbax's own (with _METADATA), or an orbax "
+            "CheckpointManager's directory or step."
         )
     if follow_state and os.path.basename(path) == STATE_FILE and _present(path):
         return _resolve(_latest(os.path.dirname(path) or "."), follow_state=False)

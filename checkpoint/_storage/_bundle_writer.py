@@ -19,7 +19,7 @@ from checkpoint._storage._files import sync_directory, sync_file
 from checkpoint._storage._table import write_table
 from checkpoint.protos import tensor_bundle_pb2, tensor_shape_pb2
 
-__all__ = ["Sliced", "write_bundle"]
+__all__ = ["Sliced", "write_bundle", "write_bundle_of_processes"]
 
 _OVERLAP_BYTES = 1 << 20  # a value this large has its checksum computed beside its write
 
@@ -123,34 +123,12 @@ def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     prefix = os.fspath(prefix)
     records = _records(tensors)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    header = tensor_bundle_pb2.BundleHeaderProto(num_shards=1, version={"producer": VERSION})
     data_path = data_filename(prefix, 0, 1)
     temp = f".tempstate{secrets.token_hex(8)}"
-    items = [(b"", tensor_bundle_pb2.BundleHeaderProto(num_shards=1, version={"producer": VERSION}))]
     try:
-        with ThreadPoolExecutor(1) as pool, open(data_path + temp, "wb") as f:
-            offset = 0
-            for name, key, value, full in records:
-                if full is not None:
-                    items.append((name, full))
-                    continue
-                enum, data, shape, crc = _as_value(key, value)
-                size = len(data) if isinstance(data, bytes) else data.size
-                if crc is None and size < _OVERLAP_BYTES:
-                    crc = crc32c(data)
-                # A large value's checksum runs beside its write (both release the GIL).
-                job = pool.submit(crc32c, data) if crc is None else None
-                f.write(data)
-                entry = tensor_bundle_pb2.BundleEntryProto(
-                    dtype=enum, shard_id=0, offset=offset, size=size, crc32c=mask(crc if job is None else job.result())
-                )
-                entry.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape)
-                items.append((name, entry))
-                offset += size
-            sync_file(f)
-        index = write_table((k, v.SerializeToString()) for k, v in items)
-        with open(prefix + ".index" + temp, "wb") as f:
-            f.write(index)
-            sync_file(f)
+        items = _write_data(data_path, data_path + temp, records, 0)
+        _write_index(prefix, prefix + ".index" + temp, header, items)
         os.replace(data_path + temp, data_path)
         os.replace(prefix + ".index" + temp, prefix + ".index")
         sync_directory(os.path.dirname(os.path.abspath(prefix)))
@@ -158,3 +136,177 @@ def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
         for path in (data_path + temp, prefix + ".index" + temp):
             if os.path.exists(path):
                 os.remove(path)
+
+
+def _write_data(data_path: str, temp_path: str, records: list, shard: int) -> list[tuple[bytes, Any]]:
+    """Writes the values of `records` to `temp_path` (synced); returns their index entries (in shard `shard`)."""
+    items = []
+    with ThreadPoolExecutor(1) as pool, open(temp_path, "wb") as f:
+        offset = 0
+        for name, key, value, full in records:
+            if full is not None:
+                items.append((name, full))
+                continue
+            enum, data, shape, crc = _as_value(key, value)
+            size = len(data) if isinstance(data, bytes) else data.size
+            if crc is None and size < _OVERLAP_BYTES:
+                crc = crc32c(data)
+            # A large value's checksum runs beside its write (both release the GIL).
+            job = pool.submit(crc32c, data) if crc is None else None
+            f.write(data)
+            entry = tensor_bundle_pb2.BundleEntryProto(
+                dtype=enum, shard_id=shard, offset=offset, size=size,
+                crc32c=mask(crc if job is None else job.result())
+            )
+            entry.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape)
+            items.append((name, entry))
+            offset += size
+        sync_file(f)
+    return items
+
+
+def _write_index(prefix: str, temp_path: str, header: Any, items: list[tuple[bytes, Any]]) -> None:
+    index = write_table([(b"", header.SerializeToString())] +
+                        [(k, v.SerializeToString()) for k, v in sorted(items, key=lambda kv: kv[0])])
+    with open(temp_path, "wb") as f:
+        f.write(index)
+        sync_file(f)
+
+
+# ---------------------------------------------------------------------------
+# several processes (jax.distributed): one data file each, one merged index
+# ---------------------------------------------------------------------------
+def write_bundle_of_processes(prefix: str, tensors: Mapping[str, Any], process: int, processes: int,
+                              allgather: Any) -> None:
+    """Writes this process's part of a TensorBundle written by `processes` processes at once (TF's MergeBundles layout).
+
+    Every process calls it with the same keys. `tensors` values may be
+    arrays that span processes (a `jax.Array` not fully addressable): each
+    process writes the shards it holds (replica 0) as slices of that tensor
+    into its own ``prefix.data-<process>-of-<processes>``; values every
+    process holds whole, and the object graph, are written by process 0.
+    The index entries are exchanged with `allgather` (bytes -> every
+    process's bytes; a few bytes a key) once every data file is on disk, and
+    process 0 writes the one index, listing every key with its shard_id and
+    each sliced tensor's slices, as TF's MergeBundles merges the bundles of
+    a sharded save. TensorFlow and `BundleReader` read it as any bundle.
+    """
+    prefix = os.fspath(prefix)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    mine: dict[Any, Any] = {}
+    fulls: dict[bytes, Any] = {}
+    for key, value in tensors.items():
+        pieces = _pieces(value, process)
+        if pieces is None:  # every process holds it whole: process 0 writes it
+            if process == 0:
+                mine[key] = value
+            continue
+        full_shape, dtype, boxes, parts = pieces
+        name = key.encode("utf-8", "surrogateescape")
+        full = tensor_bundle_pb2.BundleEntryProto()
+        full.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in full_shape)
+        full.dtype = _as_value(key, np.zeros(0, dtype))[0]
+        for box in sorted(boxes):
+            proto = full.slices.add()
+            for o, n in box:
+                proto.extent.add(start=o, length=n)
+        fulls[name] = full
+        for offset, part in parts:
+            part = np.asarray(part)
+            mine[(name, tuple(zip(offset, part.shape, strict=True)))] = part
+    records = []
+    for key, value in mine.items():
+        if isinstance(key, tuple):
+            name, extents = key
+            records.append((slice_key(name, list(extents)), f"{name.decode(errors='replace')} (slice at "
+                                                            f"{[o for o, _ in extents]})", value, None))
+        else:
+            records.extend(_records({key: value}))
+    data_path = data_filename(prefix, process, processes)
+    temp = f".tempstate{secrets.token_hex(8)}"
+    try:
+        items = _write_data(data_path, data_path + temp, sorted(records, key=lambda r: r[0]), process)
+        os.replace(data_path + temp, data_path)
+        sync_directory(os.path.dirname(os.path.abspath(prefix)))
+    finally:
+        if os.path.exists(data_path + temp):
+            os.remove(data_path + temp)
+    blobs = allgather(_encode_items(items))  # after every process's data file is in place
+    if process != 0:
+        return
+    merged = dict(fulls)
+    for blob in blobs:
+        merged.update(_decode_items(blob))
+    header = tensor_bundle_pb2.BundleHeaderProto(num_shards=processes, version={"producer": VERSION})
+    temp_index = prefix + ".index" + temp
+    try:
+        _write_index(prefix, temp_index, header, list(merged.items()))
+        os.replace(temp_index, prefix + ".index")  # the index last: it is what makes the bundle
+        sync_directory(os.path.dirname(os.path.abspath(prefix)))
+    finally:
+        if os.path.exists(temp_index):
+            os.remove(temp_index)
+
+
+def _pieces(value: Any, process: int) -> tuple | None:
+    """(full shape, dtype, every slice's box, [(offset, data)] this process writes); None: process 0 writes it."""
+    if isinstance(value, Sliced):
+        full_shape, parts = tuple(value.full_shape), list(value.parts)
+    elif _global_boxes(value) is not None:
+        full_shape, parts = tuple(value.shape), [((0,) * value.ndim, value)]
+    else:
+        return None
+    boxes, mine = [], []
+    for offset, part in parts:
+        held = _global_boxes(part)
+        if held is None:  # a part every process holds whole
+            boxes.append(tuple(zip(offset, np.shape(part), strict=True)))
+            if process == 0:
+                mine.append((tuple(offset), part))
+            continue
+        boxes += [tuple((o + b, n) for o, (b, n) in zip(offset, box, strict=True)) for box in held]
+        mine += [(tuple(o + h for o, h in zip(offset, at, strict=True)), data) for at, data in _held_parts(part)]
+    return full_shape, np.dtype(parts[0][1].dtype), boxes, mine
+
+
+def _global_boxes(value: Any) -> list[tuple[tuple[int, int], ...]] | None:
+    """The distinct shards ((start, length) per dimension) of an array no process holds whole; else None."""
+    import sys
+
+    if "jax" not in sys.modules:
+        return None
+    import jax
+
+    if not isinstance(value, jax.Array) or value.is_fully_addressable or value.is_fully_replicated:
+        return None
+    shape = value.shape
+    return sorted({_box(index, shape) for index in value.sharding.devices_indices_map(shape).values()})
+
+
+def _box(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.indices(d)[0], len(range(*s.indices(d)))) for s, d in zip(index, shape, strict=True))
+
+
+def _held_parts(value: Any) -> list[tuple[tuple[int, ...], Any]]:
+    """(offset, data) of the shards this process writes: replica 0 of each it holds."""
+    return [(tuple(o for o, _ in _box(s.index, value.shape)), s.data)
+            for s in value.addressable_shards if s.replica_id == 0]
+
+
+def _encode_items(items: list[tuple[bytes, Any]]) -> bytes:
+    out = bytearray()
+    for name, entry in items:
+        raw = entry.SerializeToString()
+        out += struct.pack("<II", len(name), len(raw)) + name + raw
+    return bytes(out)
+
+
+def _decode_items(blob: bytes) -> dict[bytes, Any]:
+    items, at = {}, 0
+    while at < len(blob):
+        n, m = struct.unpack_from("<II", blob, at)
+        at += 8
+        name, raw = blob[at:at + n], blob[at + n:at + n + m]
+        at += n + m
+        items[name] = tensor_bundle_pb2.BundleEntryProto.FromString(raw)
+    return items

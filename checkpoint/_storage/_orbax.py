@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 
 from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError, DataLossError
+from checkpoint._storage import _distributed
 from checkpoint._storage._crc import crc32c
 from checkpoint._storage._files import ORBAX_METADATA, read_regular, stored_bytes, within
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
@@ -53,24 +54,27 @@ _STORED_AS = {"uint4": np.dtype(np.uint8)}
 class _Layout:
     """Collects values into the orbax tree and the JSON entries."""
 
-    def __init__(self) -> None:
+    def __init__(self, packed: bool = True) -> None:
+        self.packed = packed
         self.small: list[tuple[dict, Any]] = []
         self.large: dict[str, Any] = {}
         self.entries: dict[str, dict] = {}
 
-    def add_array(self, key: str, value: Any, **extra: Any) -> dict:
+    def add_array(self, key: str, value: Any, name: str | None = None, **extra: Any) -> dict:
         dtype = np.dtype(value.dtype)
         if dtype.name not in _dtypes.BY_NAME:
             raise TypeError(f"Cannot save {key!r}: dtype {dtype} is not supported by the orbax format.")
         entry = {"dtype": dtype.name, "shape": list(value.shape), **extra}
         nbytes = math.prod(value.shape) * dtype.itemsize
-        if nbytes < _PACK_LIMIT:
+        if self.packed and nbytes < _PACK_LIMIT and _on_every_host(value):
             self.small.append((entry, value))
         else:
-            name = f"a{len(self.large)}"
+            name = f"a{len(self.large)}" if self.packed else (name or key)
             if dtype.name in _STORED_AS:  # a type tensorstore lacks: its values, widened losslessly
                 entry["stored_as"] = _STORED_AS[dtype.name].name
                 value = value.astype(_STORED_AS[dtype.name])
+            if isinstance(value, jax.Array) and value.is_fully_addressable and _distributed.process_count() > 1:
+                value = np.asarray(value)  # this host's own array: written by the primary host, as orbax does
             self.large[name] = value
             entry["array"] = name
         return entry
@@ -103,8 +107,14 @@ class _Layout:
             close_pack()
         for name, value in self.large.items():
             tree[name] = value
+        by_shard = []
         for entry in self.entries_with_arrays():
-            entry["crc32c"] = crc32c(np.asarray(jax.device_get(self.large[entry["array"]])))
+            value = self.large[entry["array"]]
+            if _on_every_host(value):
+                entry["crc32c"] = crc32c(np.asarray(jax.device_get(value)))
+            if _boxes(value) is not None:
+                by_shard.append(entry)
+        _shard_checksums(by_shard, self.large)
         return tree, {"packs": sizes}
 
     def entries_with_arrays(self):
@@ -114,9 +124,70 @@ class _Layout:
                     yield e
 
 
-def layout(values: dict[str, Any], object_graph: TrackableObjectGraph) -> tuple[dict, dict]:
-    """{key: array | Python scalar | [(SaveSliceInfo, array), ...]} -> (orbax tree, JSON metadata)."""
-    lay = _Layout()
+def _on_every_host(value: Any) -> bool:
+    """Every process can read all of `value` (so it can be packed and checksummed whole)."""
+    return not isinstance(value, jax.Array) or value.is_fully_addressable or value.is_fully_replicated
+
+
+def _boxes(value: Any) -> list[tuple[tuple[int, int], ...]] | None:
+    """The distinct shards of a sharded array ((offset, extent) per dimension), in order.
+
+    None where a whole-array checksum does: a value not split, or held whole
+    by every process.
+    """
+    if not isinstance(value, jax.Array) or value.is_fully_replicated:
+        return None
+    shape = value.shape
+    boxes = {_box_of(index, shape) for index in value.sharding.devices_indices_map(shape).values()}
+    return sorted(boxes) if len(boxes) > 1 or not value.is_fully_addressable else None
+
+
+def _box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.indices(d)[0], len(range(*s.indices(d)))) for s, d in zip(index, shape, strict=True))
+
+
+def _shard_checksums(entries: list[dict], large: dict[str, Any]) -> None:
+    """Sets ``entry["shards"]``: a crc32c per distinct shard of each sharded array.
+
+    Each process checksums the shards it holds (replica 0 of each), and the
+    small {array: {shard: crc}} maps are exchanged, so the metadata every
+    process builds (and the primary writes) is the same, and no array is
+    gathered to one host. A restore checks each shard it reads whole.
+    """
+    if not entries:
+        return
+    mine: dict[str, dict[str, int]] = {}
+    for entry in entries:
+        value = large[entry["array"]]
+        got = mine.setdefault(entry["array"], {})
+        for shard in value.addressable_shards:
+            if shard.replica_id == 0:
+                got[json.dumps(_box_of(shard.index, value.shape))] = crc32c(np.asarray(shard.data))
+    merged: dict[str, dict[str, int]] = {}
+    for blob in _distributed.allgather_bytes(json.dumps(mine, sort_keys=True).encode()):
+        for name, crcs in json.loads(blob).items():
+            merged.setdefault(name, {}).update(crcs)
+    for entry in entries:
+        value, crcs = large[entry["array"]], merged.get(entry["array"], {})
+        shards = []
+        for box in _boxes(value):
+            text = json.dumps(box)
+            if text not in crcs:
+                raise DataLossError(f"Saving {entry['array']!r}: no process checksummed its shard {box}; "
+                                    "a process holds no replica 0 of it (jax reported an inconsistent sharding).")
+            shards.append({"box": [list(b) for b in box], "crc32c": crcs[text]})
+        entry["shards"] = shards
+
+
+def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, packed: bool = True) -> tuple[dict, dict]:
+    """{key: array | Python scalar | [(SaveSliceInfo, array), ...]} -> (orbax tree, JSON metadata).
+
+    ``packed=False``: every value is its own orbax array named by its
+    checkpoint key (slice i of a sliced value: ``<key>@slice_<i>``; a Python
+    value too, as a numpy scalar), so that plain orbax restores the values
+    item into {checkpoint key: array}.
+    """
+    lay = _Layout(packed)
     for key, value in values.items():
         if isinstance(value, (bool, int, float, str)) and not isinstance(value, np.generic):  # np.float64: array
             base = _dtypes.python_type(value)  # an IntEnum is an int
@@ -126,11 +197,15 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph) -> tuple[
             lay.entries[key] = {
                 "dtype": np.dtype(value[0][1].dtype).name,
                 "shape": list(info0.full_shape),
-                "slices": [lay.add_array(key, v, spec=info.spec) for info, v in value],
+                "slices": [lay.add_array(key, v, name=f"{key}@slice_{i}", spec=info.spec)
+                           for i, (info, v) in enumerate(value)],
             }
         else:
             lay.entries[key] = lay.add_array(key, value)
     tree, extra = lay.finish()
+    if not packed:  # for plain orbax readers; this reader takes them from the metadata
+        tree.update((key, np.asarray(e["value"].encode() if e["python"] == "str" else e["value"]))
+                    for key, e in lay.entries.items() if "python" in e and e["python"] != "str")
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -168,6 +243,8 @@ def save_args(tree: dict, meta: dict) -> ocp.args.Composite:
 # restore
 # ---------------------------------------------------------------------------
 _ARRAY_NAME = re.compile(r"a[0-9]+")
+_PACK_NAME = re.compile(r"p[0-9]+")
+_SLICE_SUFFIX = re.compile(r"@slice_[0-9]+")  # an unpacked checkpoint's slice i of a sliced value
 _META_LIMIT = 256 << 20  # bytes of meta/metadata; a million keys take about 200 MB
 _MAX_DEPTH = 16  # JSON nesting; the format needs 6 (meta, entries, entry, slices, slice, shape)
 _MAX_RANK = 64  # numpy's limit
@@ -288,10 +365,16 @@ def _validate(key: str, e: Any, packs: list[int]) -> list | None:
 def _validate_stored(key: str, e: dict, packs: list[int], dtype: str, shape: tuple[int, ...]) -> None:
     """Where a value's bytes are: its own array, or a range of a pack; and their crc32c."""
     crc = e.get("crc32c")
-    if type(crc) is not int or not 0 <= crc < 1 << 32:
+    if "array" in e and "shards" in e:
+        _validate_shards(key, e["shards"], shape)
+    elif type(crc) is not int or not 0 <= crc < 1 << 32:
         raise _BadMetadataError(f"entry {key!r}: no crc32c")
+    if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
+        raise _BadMetadataError(f"entry {key!r}: bad crc32c {_short(crc)}")
     if "array" in e:
-        if type(e["array"]) is not str or not _ARRAY_NAME.fullmatch(e["array"]):
+        name = e["array"]
+        if type(name) is not str or not (_ARRAY_NAME.fullmatch(name) or name == key or (
+                name.startswith(key) and _SLICE_SUFFIX.fullmatch(name[len(key):]))):
             raise _BadMetadataError(f"entry {key!r}: bad array name {_short(e['array'])}")
         if "stored_as" in e and (dtype not in _STORED_AS or e["stored_as"] != _STORED_AS[dtype].name):
             raise _BadMetadataError(f"entry {key!r}: {dtype} cannot be stored as {_short(e['stored_as'])}")
@@ -302,6 +385,26 @@ def _validate_stored(key: str, e: dict, packs: list[int], dtype: str, shape: tup
         raise _BadMetadataError(f"entry {key!r}: no pack {_short(pack)}")
     if type(offset) is not int or offset < 0 or offset + nbytes > packs[pack]:
         raise _BadMetadataError(f"entry {key!r}: bytes [{_short(offset)}, +{nbytes}) lie outside pack {pack}")
+
+
+def _validate_shards(key: str, shards: Any, shape: tuple[int, ...]) -> None:
+    """A sharded array's per-shard checksums: boxes that tile its shape, each with a crc32c."""
+    if type(shards) is not list or not shards:
+        raise _BadMetadataError(f"entry {key!r}: bad shards {_short(shards)}")
+    boxes = []
+    for part in shards:
+        box = part.get("box") if type(part) is dict else None
+        crc = part.get("crc32c") if type(part) is dict else None
+        if type(crc) is not int or not 0 <= crc < 1 << 32 or type(box) is not list or len(box) != len(shape) or \
+                not all(type(b) is list and len(b) == 2 and all(type(n) is int for n in b) for b in box):
+            raise _BadMetadataError(f"entry {key!r}: bad shard {_short(part)}")
+        boxes.append([tuple(b) for b in box])
+    try:
+        tiled = _keys.covers_exactly(shape, boxes)
+    except ValueError as err:
+        raise _BadMetadataError(f"entry {key!r}: {err}") from None
+    if not tiled:
+        raise _BadMetadataError(f"entry {key!r}: its shards overlap or do not cover shape {list(shape)}")
 
 
 class OrbaxReader:
@@ -470,7 +573,7 @@ class OrbaxReader:
                 array = future.result()
             except Exception as e:  # tensorstore's errors are of many types; all mean the files are damaged
                 raise self._unreadable({name: stored[name]}, _first_line(e)) from None
-            if name.startswith("p") and tuple(array.shape) != shape:
+            if _PACK_NAME.fullmatch(name) and tuple(array.shape) != shape:
                 raise DataLossError(
                     f"Checkpoint {self.path!r}: cannot read stored values: value {key!r} lies in pack {name[1:]}, "
                     f"which holds {math.prod(array.shape)} bytes; the metadata says {shape[0]}. The checkpoint is "
@@ -602,7 +705,7 @@ class OrbaxReader:
         return {n: got[n] if n in got else self._cache[n] for n in want}
 
     def _stored_as(self, name: str, part: dict) -> tuple[tuple[int, ...], np.dtype]:
-        if name.startswith("p"):
+        if _PACK_NAME.fullmatch(name):
             return (self._packs[int(name[1:])],), np.dtype(np.uint8)
         return tuple(part["shape"]), _dtypes.BY_NAME[part.get("stored_as", part["dtype"])]
 
@@ -627,6 +730,9 @@ class OrbaxReader:
                     f"Checkpoint {self.path!r}: value {key!r} has shape {tuple(value.shape)} {value.dtype}, "
                     f"its metadata says {shape} {dtype}."
                 )
+            if not _on_every_host(value) or ("crc32c" not in e and "shards" in e):
+                self._check_shards(key, e, value)
+                return value
             host = np.asarray(value)
         if crc32c(host) != e["crc32c"]:
             raise DataLossError(
@@ -634,6 +740,36 @@ class OrbaxReader:
                 f"expected {e['crc32c']:#010x}); the checkpoint is corrupted. Restore an older checkpoint."
             )
         return value
+
+    def _check_shards(self, key: str, e: dict, value: Any) -> None:
+        """Checks the saved shards this process holds whole (each process checks its own: no gather).
+
+        A value restored onto a layout whose shards are smaller than the
+        saved ones is checked where a process holds a saved shard whole; a
+        value saved by one process and restored across several, with no
+        per-shard checksums, is not checked here (its bytes are read as
+        stored; tensorstore's own chunk reads still fail on truncation).
+        """
+        shards = e.get("shards", [])
+        if isinstance(value, np.ndarray) or (isinstance(value, jax.Array) and value.is_fully_addressable):
+            local = [((slice(None),) * value.ndim, np.asarray(value))]
+        else:
+            local = [(s.index, s.data) for s in value.addressable_shards if s.replica_id == 0]
+        shape = tuple(value.shape)
+        for part in shards:
+            box = [tuple(b) for b in part["box"]]
+            for index, data in local:
+                have = _box_of(index, shape)
+                if all(ho <= o and o + n <= ho + hn for (o, n), (ho, hn) in zip(box, have, strict=True)):
+                    inner = tuple(slice(o - ho, o - ho + n) for (o, n), (ho, _) in zip(box, have, strict=True))
+                    got = crc32c(np.ascontiguousarray(np.asarray(data[inner] if inner else data)))
+                    if got != part["crc32c"]:
+                        raise DataLossError(
+                            f"Checkpoint {self.path!r}: checksum mismatch for {key!r} in its shard at "
+                            f"{[o for o, _ in box]} of shape {[n for _, n in box]} (crc32c {got:#010x}, expected "
+                            f"{part['crc32c']:#010x}); the checkpoint is corrupted. Restore an older checkpoint."
+                        )
+                    break
 
     def _assemble(self, key: str, e: dict, loaded: dict) -> np.ndarray:
         # Each slice is read and checked first: the full array is allocated only once the stored

@@ -659,13 +659,6 @@ def test_unsupported_leaves_are_refused_with_their_path(tmp_path, leaf):
         checkpoint.Checkpoint(model=tree).restore(path)
 
 
-def test_prng_key_arrays_are_refused_with_the_fix(tmp_path):
-    for fmt in ("orbax", "tf"):
-        with pytest.raises(TypeError, match=r"Cannot save 'rng/\.ATTRIBUTES/VARIABLE_VALUE': a PRNG key array "
-                                            r"\(key<fry>\).*jax\.random\.key_data"):
-            checkpoint.Checkpoint(rng=jax.random.key(0)).write(str(tmp_path / fmt), format=fmt)
-
-
 def test_a_pack_size_in_the_metadata_allocates_nothing(tmp_path):
     # Metadata is data: a lying pack size must not become a huge allocation before the bytes are read.
     path = checkpoint.Checkpoint(w=jnp.ones(3)).write(str(tmp_path / "c"))

@@ -214,3 +214,82 @@ def test_with_mesh_sharded_params_its_variables_are_replicated_and_a_restored_st
     status = checkpoint.Checkpoint(model=template, optimizer=opt.init(template)).restore(path)
     params, state = opt.apply_gradients({"w": jnp.ones(16)}, status.model, status.optimizer)
     assert state.non_slot("good_steps").value.item() == 2
+
+
+# --- value_and_grad: scaling and unscaling with one scale, the state's ---------------------------------------------
+def _quadratic(p, x):
+    return jnp.sum(p[0].value ** 2 * x)
+
+
+def test_value_and_grad_gives_unscaled_loss_and_gradients_in_closed_form():
+    # loss = sum(w^2 x), dloss/dw = 2 w x; the scale (2^10) and its reciprocal are powers of two: exact.
+    w = varstate.Variable(jnp.array([1.5, -2.0, 0.25]), name="vg_w")
+    x = jnp.array([3.0, 0.5, 8.0])
+    opt = LossScaleOptimizer(GradientDescent(0.1), initial_scale=1024.0)
+    state = opt.init([w])
+    for f in (opt.value_and_grad(_quadratic), jax.jit(opt.value_and_grad(_quadratic))):
+        loss, grads, finite = f(state, [w], x)
+        assert loss.item() == float(np.sum(np.array([1.5, -2.0, 0.25]) ** 2 * np.array([3.0, 0.5, 8.0])))
+        assert isinstance(grads[0], varstate.Variable) and grads[0].resource_id == w.resource_id
+        assert grads[0].value.tolist() == [9.0, -2.0, 4.0] and finite.dtype == jnp.bool_ and bool(finite)
+
+
+def test_value_and_grad_argnums_has_aux_and_kwargs():
+    opt = LossScaleOptimizer(GradientDescent(0.1), initial_scale=8.0)
+    state = opt.init([varstate.Variable(jnp.zeros(1), name="vg_aux")])
+
+    def loss_fn(a, b, *, c):
+        return jnp.sum(a * b * c), {"c": c}
+
+    (loss, aux), (ga, gb), finite = opt.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        state, jnp.array([2.0]), jnp.array([5.0]), c=3.0)
+    assert loss.item() == 30.0 and aux == {"c": 3.0} and ga.tolist() == [15.0] and gb.tolist() == [6.0]
+    assert bool(finite)
+
+
+def test_value_and_grad_overflow_then_the_halved_scale():
+    # d/dw sum(w * c) = c; scaled by 2^15, c = 1.5e34 overflows float32 (4.9e38 > 3.4e38); by 2^14 it does not.
+    c = jnp.float32(1.5e34)
+    w = varstate.Variable(jnp.ones(2), name="vg_overflow")
+    opt = LossScaleOptimizer(GradientDescent(1e-40), initial_scale=2.0**15)
+    state = opt.init([w])
+    vg = opt.value_and_grad(lambda p: jnp.sum(p[0].value * c))
+    loss, grads, finite = vg(state, [w])
+    assert loss.item() == float(np.float32(2 * np.float32(1.5e34)))  # the loss itself is finite: unscaled
+    assert not bool(finite) and np.isinf(grads[0].value).all()
+    params, new_state = opt.apply_gradients(grads, [w], state)
+    assert new_state.non_slot("current_loss_scale").value.item() == 2.0**14
+    # With the state of the next step (the halved scale) the gradients are finite and exact.
+    loss, grads, finite = vg(new_state, params)
+    assert bool(finite) and grads[0].value.tolist() == [float(c), float(c)]
+
+
+def test_value_and_grad_uses_the_scale_of_the_state_it_is_given():
+    # The scale doubles after growth_interval good steps: gradients made with the old state must be unscaled by
+    # the old scale. value_and_grad does both with the scale of the state passed, so they stay exact.
+    w = varstate.Variable(jnp.array([1.0, 2.0]), name="vg_growth")
+    opt = LossScaleOptimizer(GradientDescent(0.0), initial_scale=4.0, growth_interval=1)
+    state = opt.init([w])
+    vg = opt.value_and_grad(lambda p: jnp.sum(p[0].value ** 2))
+    _, grads, _ = vg(state, [w])
+    # The mistake value_and_grad prevents: scaled with this step's state, unscaled with the next one's.
+    scaled = jax.grad(lambda p: opt.get_scaled_loss(jnp.sum(p[0].value ** 2), state))([w])
+    params, new_state = opt.apply_gradients(grads, [w], state)
+    assert new_state.non_slot("current_loss_scale").value.item() == 8.0
+    assert grads[0].value.tolist() == [2.0, 4.0]
+    assert opt.get_unscaled_gradients(scaled, new_state)[0].value.tolist() == [1.0, 2.0]  # off by the growth
+    _, grads, _ = vg(new_state, params)
+    assert grads[0].value.tolist() == [2.0, 4.0]
+
+
+def test_value_and_grad_float16_loss():
+    # Mixed precision: a float16 loss is scaled in float16 (Keras's get_scaled_loss); its gradients overflow
+    # float16 at 2^15 for a large loss, and the loss itself stays the unscaled float16 value.
+    w = varstate.Variable(jnp.array([4.0], jnp.float32), name="vg_f16")
+    opt = LossScaleOptimizer(GradientDescent(0.1), initial_scale=2.0**15)
+    state = opt.init([w])
+    vg = opt.value_and_grad(lambda p: (p[0].value.astype(jnp.float16) * jnp.float16(8.0)).sum())
+    loss, grads, finite = vg(state, [w])
+    # d/dw = 8, scaled 8 * 2^15 = 2^18 > float16's 65504: inf in float16, cast back to the float32 param.
+    assert loss.dtype == jnp.float16 and loss.item() == 32.0
+    assert not bool(finite) and np.isinf(grads[0].value).all()

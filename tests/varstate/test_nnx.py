@@ -104,3 +104,21 @@ def test_errors():
         to_nnx(model, {"kernell": jnp.ones((2, 3))})
     with pytest.raises(ValueError, match=r"to_nnx: 'kernel' is float32\[3, 2\], the Module holds float32\[2, 3\]"):
         to_nnx(model, {"kernel": jnp.ones((3, 2))})
+
+
+def test_module_root_and_from_nnx_params_share_keys_and_restore_each_other(tmp_path):
+    # A Module saved as it is and its from_nnx params name every parameter alike: either restores the other.
+    model = MLP(nnx.Rngs(0))
+    module_path = checkpoint.Checkpoint(model=model).write(str(tmp_path / "module"), format="tf")
+    params_path = checkpoint.Checkpoint(model=from_nnx(model)).write(str(tmp_path / "params"), format="tf")
+    module_keys = set(checkpoint.read_checkpoint(module_path).keys())
+    params_keys = set(checkpoint.read_checkpoint(params_path).keys())
+    extra = module_keys - params_keys
+    assert params_keys < module_keys and "model/layers/1/kernel/.ATTRIBUTES/VARIABLE_VALUE" in params_keys
+    assert extra and all(k.startswith("model/rngs/default/") for k in extra)  # from_nnx leaves RNG state to nnx
+    into_params = checkpoint.Checkpoint(model=from_nnx(MLP(nnx.Rngs(1)))).restore(module_path)
+    into_params.assert_existing_objects_matched().expect_partial()
+    np.testing.assert_array_equal(into_params.model["layers"][1]["kernel"].value, model.layers[1].kernel[...])
+    into_module = checkpoint.Checkpoint(model=MLP(nnx.Rngs(1))).restore(params_path).expect_partial().model
+    np.testing.assert_array_equal(into_module.layers[1].kernel[...], model.layers[1].kernel[...])
+    np.testing.assert_array_equal(into_module.bn.mean[...], model.bn.mean[...])

@@ -310,3 +310,45 @@ def test_assign_converts_a_numpy_array_of_the_same_kind_as_tf_does(reg):
     iv = Variable(jnp.zeros(2, jnp.int32), name="ids", registry=reg)
     with pytest.raises(TypeError, match=r"'ids'.assign: dtype mismatch: the variable is int32, the value is float64"):
         iv.assign(np.array([1.5, 2.0]))
+
+
+def test_setting_value_raises_and_names_the_assign_call(reg):
+    v = Variable(jnp.zeros(2), name="w", registry=reg)
+    with pytest.raises(AttributeError, match=r"^Variable 'w': \.value cannot be set; a Variable is immutable and "
+                                             r"assign returns the new version: `v = v\.assign\(new_value\)` "
+                                             r"\(inside jit too\)\.$"):
+        v.value = jnp.ones(2)
+    np.testing.assert_array_equal(v.value, np.zeros(2))
+    np.testing.assert_array_equal(v.assign(jnp.ones(2)).value, np.ones(2))  # the call the message names works
+
+
+def test_a_typed_prng_key_variable_has_a_repr_copies_and_steps_under_jit(reg):
+    import copy
+
+    key = jax.random.key(0)
+    v = Variable(key, name="rng", trainable=False, registry=reg)
+    want = np.asarray(jax.random.key_data(key))
+    assert repr(v) == f"<varstate.Variable 'rng' shape=() dtype=key<fry>, key_data={np.array2string(want)}>"
+    assert v.value is not key  # Variable(x) copies x, key arrays too
+    np.testing.assert_array_equal(jax.random.key_data(v.value), want)
+    nxt = jax.jit(lambda v: v.assign(jax.random.split(v.value)[0]))(v)
+    np.testing.assert_array_equal(jax.random.key_data(nxt.value), jax.random.key_data(jax.random.split(key)[0]))
+    assert nxt.resource_id == v.resource_id and "key_data=" in repr(nxt)
+    shallow, deep = copy.copy(v), copy.deepcopy(v)
+    assert shallow.handle is v.handle and shallow.value is v.value
+    assert deep.handle is v.handle and deep.value is not v.value
+    np.testing.assert_array_equal(jax.random.key_data(deep.value), want)
+
+
+def test_deepcopy_copies_the_buffer_and_keeps_identity_so_a_step_leaves_the_original(reg):
+    import copy
+
+    from varstate.optimizers import GradientDescent
+
+    w = Variable(jnp.ones(2), name="w", registry=reg)
+    opt = GradientDescent(0.5)
+    params = copy.deepcopy({"w": w})
+    assert params["w"].resource_id == w.resource_id
+    (new, _) = opt.apply_gradients({"w": jnp.ones(2)}, params, opt.init(params))
+    np.testing.assert_array_equal(w.value, np.ones(2))  # the original's buffer was not the one donated
+    np.testing.assert_array_equal(new["w"].value, np.full(2, 0.5))

@@ -23,6 +23,7 @@ from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers import _step
 from varstate.optimizers._matching import _flatten_grads, _gradients_by_owner, _is_var, _like, _owners, _value
+from varstate.optimizers._messages import checked_new
 from varstate.optimizers._rows import _dedupe
 from varstate.optimizers._slots import (
     Existing,
@@ -47,12 +48,16 @@ class Optimizer:
       (named ``<primary>/<slot>``, linked to the primary by resource id, with
       its dtype and sharding) and non-slot Variables; given a `state`, keeps
       what it holds for these params and creates the rest. Call it outside jit.
-    - ``update(grads, params, state, step=None) -> (params, state)``: the pure,
-      un-jitted step; use it inside your own ``jax.jit`` (a wrapper such as a
-      loss-scale optimizer calls this).
-    - ``apply_gradients(grads, params, state, step=None)``: ``update`` under
-      ``jax.jit`` with ``params`` and ``state`` donated; the optimizer is a
-      static argument, so each config compiles once per input structure.
+    - ``update(grads, params, state, step=None, **extra_args) -> (params, state)``:
+      the pure, un-jitted step; use it inside your own ``jax.jit`` (a wrapper
+      such as a loss-scale optimizer calls this). The TF optimizers take no
+      extra arguments (TypeError naming the first).
+    - ``apply_gradients(grads, params, state, step=None, *, global_step=None,
+      **extra_args)``: ``update`` under ``jax.jit`` with ``params`` and
+      ``state`` donated; each config compiles once per structure (identities
+      aside: a freshly built model of the same shapes reuses the step). With
+      ``global_step`` it returns ``(params, state, global_step)``, the counter
+      incremented in the same step.
 
     ``params`` is a pytree whose leaves are Variables or plain arrays. A plain
     array param is updated too; its slots are plain arrays (there is no
@@ -94,6 +99,8 @@ class Optimizer:
 
     _dedup: ClassVar[bool] = True
     _hyper_names: ClassVar[tuple[str, ...]] = ()
+    # A misspelled keyword (beta_1, lr) raises a TypeError naming the closest fields, not dataclass's bare one.
+    __new__ = checked_new
 
     def __post_init__(self) -> None:
         for name in self._hyper_names:
@@ -127,7 +134,7 @@ class Optimizer:
         return non_slots
 
     # --- public API -----------------------------------------------------
-    def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
+    def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None) -> OptimizerState:
         """Slots for every trainable param and the non-slot variables (call outside jit).
 
         With `state`, keeps the state's slots for these params (found by the
@@ -137,6 +144,17 @@ class Optimizer:
         does this itself when params arrive without state (a re-created model);
         a caller of `update` under its own jit calls it first. A kept slot whose
         shape or dtype does not fit its param is a ValueError naming both.
+
+        `stepped` says which params have been stepped, as TF creates a slot
+        only for a variable that gets a gradient: a pytree of bools with the
+        structure of params (or a prefix of it: one bool for a subtree), or a
+        callable of a param's path (its keys joined by ``/``, e.g.
+        ``"dense/kernel"``) returning a bool. A param marked False gets no slots
+        (None in ``state.slots``) until a step gives it a gradient; then
+        `apply_gradients` creates them with their initial values, as TF does.
+        So a TF checkpoint in which some variables never got a gradient
+        restores into ``opt.init(params, stepped=...)`` with every slot
+        matched. Default: every trainable param.
 
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Momentum
@@ -148,11 +166,15 @@ class Optimizer:
         >>> grown = Momentum(0.1, momentum=0.9).init([w, b], state)
         >>> grown.get_slot(w, "momentum") is state.get_slot(w, "momentum"), grown.get_slot(b, "momentum").name
         (True, 'dense/bias/momentum')
+        >>> fresh = Momentum(0.1, momentum=0.9).init({"w": w, "b": b}, stepped={"w": True, "b": False})
+        >>> fresh.get_slot(b, "momentum") is None, fresh.slots["momentum"]["b"]
+        (True, None)
         """
         flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
         leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         owners = _owners(leaves)
         existing = Existing(state, p_def, paths)
+        wanted = _stepped_mask(stepped, params, paths, owners)
         slots = {}
         for slot_name, fill in self._slot_inits().items():
             made = []
@@ -163,7 +185,9 @@ class Optimizer:
                     made.append(made[owners[i]])
                 else:
                     kept = existing.get(slot_name, i, p)
-                    made.append(kept if kept is not None else _make_slot(p, slot_name, fill))
+                    if kept is None and wanted[i]:
+                        kept = _make_slot(p, slot_name, fill)
+                    made.append(kept)  # None: not stepped yet, so no slot (TF makes none either)
             slots[slot_name] = p_def.unflatten(made)
         for name in existing.names:  # another optimizer's slots: carried as they are
             slots.setdefault(name, state.slots[name])
@@ -197,8 +221,14 @@ class Optimizer:
             out[name] = x
         return out
 
-    def update(self, grads: Any, params: Any, state: OptimizerState, step: Any = None) -> tuple[Any, OptimizerState]:
+    def update(
+        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
+    ) -> tuple[Any, OptimizerState]:
         """One pure step (no jit, no donation): returns new params and state.
+
+        `extra_args` are for optimizers whose step needs more inputs (an optax
+        transform's ``value=``); the built-in TF optimizers take none and raise
+        a TypeError naming the argument.
 
         >>> import jax, jax.numpy as jnp
         >>> from varstate.optimizers import GradientDescent
@@ -208,13 +238,24 @@ class Optimizer:
         >>> new_p["w"].tolist()
         [0.8999999761581421, 0.8999999761581421]
         """
+        if extra_args:
+            self._refuse_extra_args(extra_args)
         p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
         owners = _owners(p_leaves)
         slot_names = list(self._slot_inits())
+        work = _gradients_by_owner(p_leaves, g_leaves, paths, owners)
+        held: dict[str, list] = {}
 
-        def want(i, _):  # every trainable param has its slots (init's rule)
+        def want(i, n):  # every trainable param has its slots (init's rule), except one never stepped
             p = p_leaves[i]
-            return None if isinstance(p, Variable) and not p.trainable else param_want(p)
+            if isinstance(p, Variable) and not p.trainable:
+                return None
+            if i not in work:  # no gradient now: a param without slots (init's stepped=False) keeps none
+                if n not in held:
+                    held[n] = p_def.flatten_up_to(state.slots[n])  # check_slots has checked the structure
+                if held[n][i] is None:
+                    return None
+            return param_want(p)
 
         slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
         check_non_slots(state, self._non_slot_inits())
@@ -222,7 +263,6 @@ class Optimizer:
         if isinstance(step, Variable):
             step = step.read_value()
         h = self.hyperparameters(step)
-        work = _gradients_by_owner(p_leaves, g_leaves, paths, owners)
         new_p = list(p_leaves)
         new_slots = {n: list(slot_leaves[n]) for n in slot_names}
         for i, g in work.items():
@@ -255,9 +295,23 @@ class Optimizer:
         return p_def.unflatten(new_p), state
 
     def apply_gradients(
-        self, grads: Any, params: Any, state: OptimizerState, step: Any = None
-    ) -> tuple[Any, OptimizerState]:
+        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, *, global_step: Any = None,
+        **extra_args: Any,
+    ) -> tuple:
         """`update` under jit with `params` and `state` donated (their old buffers are deleted).
+
+        Returns ``(params, state)``; with ``global_step=`` (the global step
+        Variable, `varstate.get_or_create_global_step()`) it also increments
+        that counter by one in the same jitted step and returns
+        ``(params, state, global_step)``, as TF v1's
+        ``apply_gradients(global_step=...)`` does (the given version is donated
+        too). Unless ``step=`` is given, hyperparameters that are callables of
+        the step then see the global step's value before the increment.
+        `extra_args` (e.g. ``value=loss``) reach `update` as traced arguments.
+
+        The jit runs over the arrays only; its key is the structure without
+        identity, so a freshly built model with the same structure and shapes
+        reuses the compiled step, and the outputs get the caller's identities.
 
         Every new param, and its slots, keeps the param's sharding whatever
         the gradient's (TF updates a variable on its device; the donated
@@ -275,5 +329,81 @@ class Optimizer:
         >>> (w,), state = opt.apply_gradients([jnp.ones(3)], [w], state)
         >>> [round(x, 4) for x in w.value.tolist()], round(state.non_slot("beta1_power").value.item(), 4)
         ([-0.1, -0.1, -0.1], 0.81)
+        >>> gs = varstate.get_or_create_global_step(varstate.Registry())
+        >>> (w,), state, gs = opt.apply_gradients([jnp.ones(3)], [w], state, global_step=gs)
+        >>> int(gs.value)
+        1
         """
-        return _step.apply_jitted(self, grads, params, state, step)
+        if extra_args and type(self).update is Optimizer.update:
+            self._refuse_extra_args(extra_args)  # before the trace: nothing donated, no JAX frames in the message
+        return _step.apply_jitted(self, grads, params, state, step, global_step, extra_args)
+
+    def _refuse_extra_args(self, extra_args: dict) -> None:
+        """TypeError naming the first extra argument: the TF optimizers' update takes none."""
+        name = type(self).__name__
+        raise TypeError(
+            f"{name}.update() got an unexpected keyword argument {next(iter(extra_args))!r}: {name} takes grads, "
+            "params, state and step only (extra keyword arguments of apply_gradients/update are for optimizers "
+            "whose update accepts them, e.g. from_optax)."
+        )
+
+    def to_optax(self) -> Any:
+        """This optimizer as an optax ``GradientTransformationExtraArgs`` with TF's numerics (`to_optax`).
+
+        >>> import jax.numpy as jnp, optax
+        >>> from varstate.optimizers import GradientDescent
+        >>> tx = GradientDescent(0.5).to_optax()
+        >>> params = {"w": jnp.array([1.0, 2.0])}
+        >>> updates, _ = tx.update({"w": jnp.array([1.0, 1.0])}, tx.init(params), params)
+        >>> optax.apply_updates(params, updates)["w"].tolist()
+        [0.5, 1.5]
+        """
+        from varstate.optimizers._to_optax import to_optax
+
+        return to_optax(self)
+
+
+def _path_name(path: tuple) -> str:
+    """A param's key path as ``stepped=``'s callable sees it: its keys joined by ``/`` (``dense/kernel``)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _stepped_mask(stepped: Any, params: Any, paths: list, owners: list[int]) -> list[bool]:
+    """`init`'s ``stepped=`` as one bool per param leaf (True: make its slots)."""
+    if stepped is None:
+        return [True] * len(paths)
+    if callable(stepped):
+        flags = [stepped(_path_name(path)) for path in paths]
+        where = [f"stepped({_path_name(path)!r})" for path in paths]
+    else:
+        is_flag = lambda x: isinstance(x, (bool, np.bool_))
+        m_leaves, m_def = jax.tree_util.tree_flatten(stepped, is_leaf=is_flag)
+        try:
+            subtrees = m_def.flatten_up_to(params)
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"Optimizer.init: stepped= must be a pytree of bools with the structure of params (or a prefix "
+                f"of it), or a callable of a param's path; got {type(stepped).__name__} with structure {m_def}, "
+                f"params have {jax.tree_util.tree_structure(params, is_leaf=_is_var)}."
+            ) from None
+        flags, where = [], []
+        for m, sub in zip(m_leaves, subtrees, strict=True):
+            n = len(jax.tree_util.tree_leaves(sub, is_leaf=_is_var))
+            flags += [m] * n
+            where += [f"stepped{jax.tree_util.keystr(path)}" for path in paths[len(where):len(where) + n]]
+    for f, w in zip(flags, where, strict=True):
+        if not isinstance(f, (bool, np.bool_)):
+            raise TypeError(f"Optimizer.init: {w} must be a bool (True: the param has been stepped), "
+                            f"got {type(f).__name__} {f!r:.40}.")
+    flags = [bool(f) for f in flags]
+    for j, i in enumerate(owners):  # tied weights share one slot: it exists if any place was stepped
+        flags[i] = flags[i] or flags[j]
+    return flags

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,12 +31,50 @@ def _grad_value(g: Any) -> Any:
     return g.values if isinstance(g, IndexedSlices) else g
 
 
+def _all_finite(grads: Any) -> Any:
+    """A bool scalar: no Inf or NaN in any gradient (True for none)."""
+    leaves = [_grad_value(g) for g in jax.tree.leaves(grads, is_leaf=_is_grad_leaf) if g is not None]
+    return jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(g)).all() for g in leaves])) if leaves else jnp.bool_(True)
+
+
+def _unscaled(grads: Any, scale: Any) -> Any:
+    reciprocal = 1.0 / scale
+
+    def unscale(g: Any) -> Any:
+        if g is None:
+            return None
+        if isinstance(g, IndexedSlices):
+            values = _grad_value(g)
+            return IndexedSlices(values * reciprocal.astype(values.dtype), g.indices, g.dense_shape)
+        if isinstance(g, Variable) or hasattr(g, "__varstate_variable__"):
+            return jax.tree.map(lambda x: x * reciprocal.astype(x.dtype), g)
+        g = jnp.asarray(g)
+        return g * reciprocal.astype(g.dtype)
+
+    return jax.tree.map(unscale, grads, is_leaf=_is_grad_leaf)
+
+
+def _scaled_loss(scale: Any, fn: tuple[Callable[..., Any], bool], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    # Module level, with the scale and loss function as leading arguments, so value_and_grad's
+    # argnums (shifted by two) name loss_fn's own arguments.
+    loss_fn, has_aux = fn
+    out = loss_fn(*args, **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    loss = jnp.asarray(loss)
+    return loss * scale.astype(loss.dtype), (loss, aux)
+
+
+def _shifted(argnums: int | Sequence[int]) -> int | tuple[int, ...]:
+    return argnums + 2 if isinstance(argnums, int) else tuple(a + 2 for a in argnums)
+
+
 @dataclasses.dataclass(frozen=True)
 class LossScaleOptimizer(Optimizer):
     """Loss scaling around `inner_optimizer` (Keras's `LossScaleOptimizer`, TF 2 semantics).
 
     Scale the loss with `get_scaled_loss`, differentiate, unscale with
-    `get_unscaled_gradients`, then `update`/`apply_gradients` the unscaled
+    `get_unscaled_gradients` (all three with the same state: `value_and_grad`
+    does them together), then `update`/`apply_gradients` the unscaled
     gradients. With ``dynamic=True`` (the default), a step whose gradients
     hold an Inf or NaN is skipped (params and the inner state unchanged) and
     halves the scale (not below 1); after ``growth_interval`` consecutive
@@ -74,6 +113,13 @@ class LossScaleOptimizer(Optimizer):
         if isinstance(self.inner_optimizer, LossScaleOptimizer):
             raise TypeError(
                 "LossScaleOptimizer cannot wrap another LossScaleOptimizer: wrap its inner_optimizer instead."
+            )
+        inner = self.inner_optimizer
+        if not isinstance(inner, Optimizer) and hasattr(inner, "init") and hasattr(inner, "update"):
+            raise TypeError(
+                f"LossScaleOptimizer: inner_optimizer is an optax transformation ({type(inner).__name__}), not a "
+                "varstate Optimizer: wrap it with from_optax first, e.g. "
+                "LossScaleOptimizer(varstate.optimizers.from_optax(optax.adam(1e-3)))."
             )
         if not isinstance(self.inner_optimizer, Optimizer):
             raise TypeError(
@@ -127,6 +173,14 @@ class LossScaleOptimizer(Optimizer):
             non_slots[_GOOD] = int64_counter(_GOOD, registry, placement)  # Keras: int64
         return OptimizerState(slots=state.slots, non_slots=non_slots)
 
+    def _initial_arrays(self, leaves: list, initial: Callable[..., Any]) -> tuple[dict[str, list], dict[str, Any]]:
+        # `to_optax`'s traceable init: the inner optimizer's (by `initial`), then the scale and the counter.
+        slots, non_slots = initial(self.inner_optimizer, leaves)
+        if self.dynamic:
+            non_slots[_SCALE] = jnp.asarray(self.initial_scale, jnp.float32)
+            non_slots[_GOOD] = jnp.zeros((), jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)  # int64_counter's
+        return slots, non_slots
+
     def loss_scale(self, state: OptimizerState) -> Any:
         """The current loss scale (float32 scalar)."""
         if not self.dynamic:
@@ -140,35 +194,62 @@ class LossScaleOptimizer(Optimizer):
 
     def get_unscaled_gradients(self, grads: Any, state: OptimizerState) -> Any:
         """Each gradient times ``1 / loss_scale`` (None, IndexedSlices and Variables kept as such)."""
-        reciprocal = 1.0 / self.loss_scale(state)
+        return _unscaled(grads, self.loss_scale(state))
 
-        def unscale(g: Any) -> Any:
-            if g is None:
-                return None
-            if isinstance(g, IndexedSlices):
-                values = _grad_value(g)
-                return IndexedSlices(values * reciprocal.astype(values.dtype), g.indices, g.dense_shape)
-            if isinstance(g, Variable) or hasattr(g, "__varstate_variable__"):
-                return jax.tree.map(lambda x: x * reciprocal.astype(x.dtype), g)
-            g = jnp.asarray(g)
-            return g * reciprocal.astype(g.dtype)
+    def value_and_grad(
+        self, loss_fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+    ) -> Callable[..., tuple[Any, Any, Any]]:
+        """``loss_fn``'s loss and gradients through loss scaling: ``f(state, *args) -> (loss, grads, finite)``.
 
-        return jax.tree.map(unscale, grads, is_leaf=_is_grad_leaf)
+        The returned function scales the loss by the scale in the `state` it
+        is given, differentiates (``jax.grad`` with `argnums`, `has_aux` as
+        ``jax.value_and_grad``) and unscales the gradients by that same scale:
+        ``loss`` is ``loss_fn``'s own (unscaled; ``(loss, aux)`` with
+        `has_aux`), ``grads`` are unscaled, ``finite`` is a bool scalar, False
+        when a gradient holds an Inf or NaN (the step `update` will skip).
+        Pass the state of this step, before `apply_gradients`: unscaling with
+        the scale after the update (halved on an overflow, doubled after
+        ``growth_interval`` good steps) gives gradients off by that factor.
 
-    def update(self, grads: Any, params: Any, state: OptimizerState, step: Any = None) -> tuple[Any, OptimizerState]:
-        """The inner update if every gradient is finite, else params and inner state unchanged; then the scale."""
+        >>> import jax.numpy as jnp, varstate
+        >>> from varstate.optimizers import GradientDescent
+        >>> from varstate.mixed_precision import LossScaleOptimizer
+        >>> w = varstate.Variable(jnp.array([1.0, 2.0]), name="w")
+        >>> opt = LossScaleOptimizer(GradientDescent(0.5), initial_scale=1024.0)
+        >>> state = opt.init([w])
+        >>> vg = opt.value_and_grad(lambda p, x: jnp.sum(p[0] ** 2 * x))
+        >>> loss, grads, finite = vg(state, [w], 3.0)
+        >>> loss.item(), grads[0].value.tolist(), bool(finite)
+        (15.0, [6.0, 12.0], True)
+        """
+        grad_fn = jax.value_and_grad(_scaled_loss, argnums=_shifted(argnums), has_aux=True)
+
+        def value_and_grad_fn(state: OptimizerState, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+            scale = self.loss_scale(state)
+            (_, (loss, aux)), grads = grad_fn(scale, (loss_fn, has_aux), *args, **kwargs)
+            grads = _unscaled(grads, scale)
+            return ((loss, aux) if has_aux else loss), grads, _all_finite(grads)
+
+        return value_and_grad_fn
+
+    def update(
+        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
+    ) -> tuple[Any, OptimizerState]:
+        """The inner update if every gradient is finite, else params and inner state unchanged; then the scale.
+
+        `extra_args` go to the inner optimizer's ``update``.
+        """
         if not self.dynamic:
-            return self.inner_optimizer.update(grads, params, state, step)
+            return self.inner_optimizer.update(grads, params, state, step, **extra_args)
         check_non_slots(state, (_SCALE, _GOOD))
         non_slots = dict(state.non_slots)
         scale_var, good_var = non_slots.pop(_SCALE), non_slots.pop(_GOOD)
         inner_state = OptimizerState(slots=state.slots, non_slots=non_slots)
-        leaves = [_grad_value(g) for g in jax.tree.leaves(grads, is_leaf=_is_grad_leaf) if g is not None]
-        finite = jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(g)).all() for g in leaves])) if leaves else True
+        finite = _all_finite(grads)
 
         new_params, new_inner = jax.lax.cond(
             finite,
-            lambda: self.inner_optimizer.update(grads, params, inner_state, step),
+            lambda: self.inner_optimizer.update(grads, params, inner_state, step, **extra_args),
             lambda: (params, inner_state),
         )
         scale, good = scale_var.value, good_var.value

@@ -215,26 +215,25 @@ def _validate_grads(grads: Any, params: Any) -> None:
 _SPARSE_POSITIONS: dict[Any, tuple[int, ...]] = {}
 
 
-def _check_sparse_indices(grads: Any, params: Any) -> Any:
-    """Checks concrete IndexedSlices indices before jit, where they are still visible; returns grads' treedef."""
-    g_def = jax.tree.structure(grads)
+def _sparse_positions(g_def: Any, grads: Any) -> tuple[int, ...]:
+    """Where IndexedSlices indices sit among grads' leaves (cached by grads' treedef `g_def`)."""
     positions = _SPARSE_POSITIONS.get(g_def)
-    if positions == ():
-        return g_def
     if positions is None:
         positions = tuple(i for i, m in enumerate(jax.tree.leaves(_mark_indices(grads))) if m)
         if len(_SPARSE_POSITIONS) < 1024:
             _SPARSE_POSITIONS[g_def] = positions
-        if not positions:
-            return g_def
+    return positions
+
+
+def _check_sparse_indices(grads: Any, params: Any) -> None:
+    """Checks concrete IndexedSlices indices before jit, where they are still visible."""
     try:
         p_leaves, g_leaves, _, paths = _flatten_grads(grads, params)
     except ValueError:
-        return g_def  # reported with its path when the step is traced
+        return  # reported with its path when the step is traced
     for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
         if isinstance(g, IndexedSlices) and hasattr(_value(p), "shape") and _value(p).ndim:
             _check_indices_range(_value(g.indices), _value(p).shape[0], _label(paths[i], p))
-    return g_def
 
 
 def _mark_indices(grads: Any) -> Any:

@@ -72,6 +72,21 @@ class _OptaxOptimizer(Optimizer):
             for i, p in enumerate(p_leaves)
         ])
 
+    def _initial_arrays(self, leaves: list, initial: Any = None) -> tuple[dict[str, list], dict[str, Any]]:
+        """The initial slots (one entry per leaf, None where none) and non-slots as arrays: traceable (`to_optax`)."""
+        del initial  # the transformation's own init is traceable
+        p_def = jax.tree.structure(leaves, is_leaf=_is_var)
+        values = self._values(leaves, p_def)
+        opt_state = self.tx.init(values)
+        outer, names = _layout(opt_state, values)
+        slots, non_slots = {}, {}
+        for part, (name, is_slot) in zip(outer.flatten_up_to(opt_state), names, strict=True):
+            if is_slot:
+                slots[name] = p_def.flatten_up_to(part)
+            else:
+                non_slots[name] = part
+        return slots, non_slots
+
     def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
         flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
         p_leaves, paths = [x for _, x in flat], [p for p, _ in flat]
@@ -99,7 +114,22 @@ class _OptaxOptimizer(Optimizer):
                 non_slots[name] = Variable(part, name=name, trainable=False, registry=registry)
         return OptimizerState(slots=slots, non_slots=non_slots)
 
-    def update(self, grads: Any, params: Any, state: OptimizerState, step: Any = None) -> tuple[Any, OptimizerState]:
+    def update(
+        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
+    ) -> tuple[Any, OptimizerState]:
+        """One step of the hosted transformation; `extra_args` (``value=``, ``grad=``, ...) go to ``tx.update``.
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from varstate.optimizers import from_optax
+        >>> plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=1)
+        >>> opt = from_optax(optax.chain(optax.sgd(1.0), plateau))
+        >>> p = [jnp.ones(2)]
+        >>> state = opt.init(p)
+        >>> for loss in (1.0, 2.0, 3.0):  # no improvement twice: the scale halves twice
+        ...     p, state = jax.jit(opt.update)([jnp.ones(2)], p, state, value=loss)
+        >>> state.non_slot("scale").value.item(), p[0].tolist()
+        (0.25, [-0.75, -0.75])
+        """
         del step  # optax transformations count their own steps
         p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
         values = self._values(p_leaves, p_def)
@@ -138,7 +168,9 @@ class _OptaxOptimizer(Optimizer):
                 ]))
             else:
                 parts.append(state.non_slots[name]._value)
-        updates, new_opt_state = self.tx.update(p_def.unflatten(dense), outer.unflatten(parts), values)
+        updates, new_opt_state = self.tx.update(
+            p_def.unflatten(dense), outer.unflatten(parts), values, **extra_args
+        )
         u_leaves = p_def.flatten_up_to(updates)
         new_p = []
         for i, (p, v, u) in enumerate(zip(p_leaves, v_leaves, u_leaves, strict=True)):
@@ -184,6 +216,19 @@ def from_optax(tx: Any, name: str = "optax") -> Optimizer:
     >>> state.get_slot(w, "mu").name, sorted(state.non_slots), [round(x, 3) for x in params["w"].value.tolist()]
     ('w/mu', ['count'], [0.9, 0.9])
     """
+    if isinstance(tx, Optimizer):
+        raise TypeError(
+            f"from_optax: got {type(tx).__name__}, a varstate Optimizer already: use it as it is "
+            "(from_optax hosts optax transformations; to_optax goes the other way)."
+        )
+    if not (hasattr(tx, "init") and hasattr(tx, "update")) and callable(tx):
+        module = getattr(tx, "__module__", None) or ""
+        name = getattr(tx, "__name__", type(tx).__name__)
+        spelled = f"optax.{name}" if module.split(".")[0] == "optax" else name
+        raise TypeError(
+            f"from_optax: got {spelled}, a function that makes a transformation, not a transformation: call it "
+            f"with its hyperparameters, e.g. from_optax({spelled}(1e-3))."
+        )
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(
             f"from_optax: expected an optax GradientTransformation (with init and update), got {type(tx).__name__}."

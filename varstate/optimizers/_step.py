@@ -1,9 +1,17 @@
-"""The jitted step behind `Optimizer.apply_gradients`: donation, placement, missing state and compile caching.
+"""The jitted step behind `Optimizer.apply_gradients`: a thin host call, donation, placement, missing state.
 
-`update` runs under one module-level `jax.jit` with the optimizer as a static
-argument and params and state donated, so every config compiles once per
-input structure and the step updates buffers in place. Around it:
+The step is jitted over flat lists of arrays, not over Variables: a
+Variable's treedef holds its identity (the `ResourceHandle`), so a jit over
+Variables would trace again for every freshly built model. Here:
 
+- per call, the host flattens grads, (params, state) and the rest with
+  jax's C++ flatten, finds the step's plan by those treedefs (one dict
+  lookup), calls the jit on the leaves, and unflattens the outputs with the
+  caller's own treedef: the new versions keep the caller's identities;
+- a plan's jit key is the optimizer plus an identity-free signature of the
+  structure (the treedef with Variables as leaves, and per Variable its
+  trainability, slot link and tie, as positions): a freshly built model with
+  the same shapes reuses the compiled step, without tracing again;
 - placement: every new param, and its slots, leaves the step with the
   param's sharding, whatever the gradient's (XLA would otherwise propagate a
   mix of both, and the donated buffers could not be reused);
@@ -18,10 +26,12 @@ from __future__ import annotations
 
 import gc
 import operator
+import threading
 from typing import TYPE_CHECKING, Any
 
 import jax
 
+from varstate._global_step import assert_global_step
 from varstate._jax_compat import ArrayImpl, Tracer, in_transformation, is_deleted_array
 from varstate._variable import Variable, donated_error
 from varstate.optimizers._matching import (
@@ -29,6 +39,7 @@ from varstate.optimizers._matching import (
     _explicit_sharding,
     _is_var,
     _owners,
+    _sparse_positions,
     _validate_grads,
     _value,
 )
@@ -38,43 +49,156 @@ from varstate.optimizers._state import OptimizerState
 if TYPE_CHECKING:
     from varstate.optimizers._base import Optimizer
 
+_flatten = jax.tree_util.tree_flatten
+
+
+class _Key:
+    """The static argument of the flat jit: equal for every structure that compiles to the same step.
+
+    Holds no identity (no handle, no treedef with handles), so jit's cache keeps
+    no model alive and a freshly built model with the same structure hits it.
+    The hash is computed once.
+    """
+
+    __slots__ = ("_hash", "opt", "placement", "sig", "sig_hash", "use_global")
+
+    def __init__(self, opt: Any, sig: tuple, sig_hash: int, placement: Any, use_global: bool) -> None:
+        self.opt, self.sig, self.sig_hash, self.placement, self.use_global = opt, sig, sig_hash, placement, use_global
+        self._hash = hash((opt, sig_hash, placement, use_global))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, _Key) and self._hash == other._hash and self.use_global == other.use_global
+            and self.placement == other.placement and self.sig == other.sig and self.opt == other.opt
+        )
+
+
+class _Plan:
+    """What the host needs to run one (optimizer, structure): the jit key, where params and non-slots sit."""
+
+    __slots__ = ("key", "legacy", "n_params", "sparse")
+
+    def __init__(self, key: _Key, n_params: int, sparse: bool) -> None:
+        self.key, self.n_params, self.sparse = key, n_params, sparse
+        self.legacy = False  # update changes the layout: run over trees (_apply_trees)
+
+
+_PLANS: dict = {}  # (opt, grads def, (params, state, global step) def, (step, extra) def, use_global) -> _Plan
+_MAX_PLANS = 256  # treedefs hold handles: a bounded cache keeps few dead models' identities alive
+_SEEN: set = set()  # (optimizer, grads treedef) already stepped over trees
+_trace = threading.local()  # the treedefs of the call being traced (identity stays out of jit's key)
+
+
+def _intern(key: _Key) -> _Key:
+    """The one key object equal to `key`: jit's cache then matches it by identity, not by comparing signatures."""
+    if len(_KEYS) >= _MAX_PLANS * 4:
+        _KEYS.clear()
+    return _KEYS.setdefault(key, key)
+
+
+_KEYS: dict = {}
+
+
+def _new_plan(opt: Any, g_def: Any, grads: Any, params: Any, state: Any, global_step: Any, other: Any,
+              use_global: bool) -> _Plan:
+    leaves, sig_def = _flatten((grads, params, state, global_step, other), is_leaf=_is_var)
+    first: dict[int, int] = {}
+    desc = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, Variable):
+            h = x._handle
+            first.setdefault(h.resource_id, i)
+            desc.append(x)
+        else:
+            desc.append(None)
+    for i, x in enumerate(desc):
+        if x is not None:
+            h = x._handle
+            primary = None if h.slot_of is None else first.get(h.slot_of, -1)
+            desc[i] = (type(x), first[h.resource_id], h.trainable, h.synchronization, h.aggregation, h.slot_name,
+                       primary)
+    sig = (sig_def, tuple(desc))
+    n_params = len(jax.tree.leaves(params))
+    sparse = _sparse_positions(g_def, grads) != ()
+    return _Plan(_intern(_Key(opt, sig, hash(sig), None, use_global)), n_params, sparse)
+
+
+def _check_global_step(global_step: Any) -> None:
+    if not isinstance(global_step, Variable):
+        raise TypeError(
+            f"apply_gradients: global_step must be the global step Variable "
+            f"(varstate.get_or_create_global_step()), got {type(global_step).__name__} {global_step!r:.60}."
+        )
+    assert_global_step(global_step)
+
 
 def apply_jitted(
-    opt: Optimizer, grads: Any, params: Any, state: OptimizerState, step: Any
-) -> tuple[Any, OptimizerState]:
-    """`opt.update` under `_jitted_update`, concrete sparse indices checked first (`Optimizer.apply_gradients`)."""
-    g_def = _check_sparse_indices(grads, params)
-    key = (opt, g_def)
-    # Unflattening the outputs allocates one Python object per Variable (3,000 for Adam over
-    # 1,000 params); with the collector on, that is several collections per step, each also
-    # running jax's collection hook. Deferred to the end of the step, it is one.
+    opt: Optimizer, grads: Any, params: Any, state: OptimizerState, step: Any, global_step: Any = None,
+    extra: dict | None = None, _retry: bool = True,
+) -> tuple:
+    """`opt.update` under the flat jit, concrete sparse indices checked first (`Optimizer.apply_gradients`).
+
+    Returns ``(params, state)``, or ``(params, state, global_step)`` when `global_step` is given (incremented).
+    """
+    if global_step is not None:
+        _check_global_step(global_step)
+    use_global = global_step is not None and (
+        step is None or (isinstance(step, Variable) and step._handle is global_step._handle))
+    other = (None if use_global else step, extra or {})
+    g_leaves, g_def = _flatten(grads)
+    ps_leaves, ps_def = _flatten((params, state, global_step))
+    o_leaves, o_def = _flatten(other)
+    pkey = (opt, g_def, ps_def, o_def, use_global)
+    # Unflattening the outputs allocates one Python object per Variable (3,000 for Adam over 1,000 params); with
+    # the collector on, that is several collections per step, each also running jax's collection hook. Deferred
+    # to the end of the step, it is one.
     collect = gc.isenabled()
     gc.disable()
     try:
-        if key not in _SEEN:
-            # Arrays made outside jit are uncommitted and jit's outputs are committed: a second compile on
-            # step 2 unless the first step's inputs are committed too (no copy: aliased).
-            params, state = _commit((params, state))
-            if len(_SEEN) < 4096:
-                _SEEN.add(key)
-        placement, uncommitted = _placement(params, state)
-        if uncommitted:
-            # New params (uncommitted arrays) with a (config, grads structure) seen before: commit them too.
-            params, state = _commit((params, state))
+        plan = _PLANS.get(pkey)
+        if plan is None:
+            # Arrays made outside jit are uncommitted and jit's outputs are committed: a second compile on step 2
+            # unless the first step's inputs are committed too (no copy: aliased).
+            ps_leaves = _commit(ps_leaves)
+            plan = _new_plan(opt, g_def, grads, params, state, global_step, other, use_global)
+            if len(_PLANS) >= _MAX_PLANS:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[pkey] = plan
+        if plan.legacy:
+            return _apply_trees(opt, grads, params, state, step, global_step, extra, use_global)
+        if plan.sparse:
+            _check_sparse_indices(grads, params)
+        key = plan.key
+        if _multi_device():
+            placement, uncommitted = _placement(ps_leaves[:plan.n_params], state)
+            if uncommitted:  # new params (uncommitted arrays) with a structure seen before: commit them too
+                ps_leaves = _commit(ps_leaves)
+            if placement is not key.placement:
+                key = plan.key = _intern(_Key(opt, key.sig, key.sig_hash, placement, use_global))
+        _trace.defs = (g_def, ps_def, o_def)
         try:
-            return _jitted_update(opt, grads, params, state, step, placement)
-        except StateMismatchError:
-            if in_transformation():
-                raise  # under a caller's trace no Variable can be made; the message says what to do
+            out = _jitted_update(key, g_leaves, ps_leaves, o_leaves)
+        except _Restructured:
+            plan.legacy = True
+            return _apply_trees(opt, grads, params, state, step, global_step, extra, use_global)
+        finally:
+            _trace.defs = None
+        out = ps_def.unflatten(out)
+        return out if global_step is not None else out[:2]
+    except StateMismatchError:
+        if in_transformation() or not _retry:
+            raise  # under a caller's trace no Variable can be made; the message says what to do
         # Params without state: create it outside jit, as TF's optimizers create missing slots, and step again.
         state = opt.init(params, state)
-        params, state = _commit((params, state))
-        return _jitted_update(opt, grads, params, state, step, _placement(params, state)[0])
+        return apply_jitted(opt, grads, params, state, step, global_step, extra, _retry=False)
     except TypeError:
         _validate_grads(grads, params)  # TF's message for a gradient jit cannot take (e.g. a string)
         raise
     except (RuntimeError, ValueError) as e:  # JAX raises either for a deleted buffer, by where it finds it
-        spent = _first_donated(params, state)
+        spent = _first_donated(params, state, global_step)
         if spent is not None:
             raise donated_error(spent) from e
         raise
@@ -83,9 +207,72 @@ def apply_jitted(
             gc.enable()
 
 
-def _first_donated(params: Any, state: OptimizerState) -> str | None:
+class _Restructured(Exception):  # noqa: N818 (a signal, caught below, never seen by users)
+    """`update` returned params or state laid out otherwise than given: the step then runs over trees."""
+
+
+def _flat_step(key: _Key, g_leaves: list, ps_leaves: list, o_leaves: list) -> list:
+    g_def, ps_def, o_def = _trace.defs
+    grads = g_def.unflatten(g_leaves)
+    params, state, global_step = ps_def.unflatten(ps_leaves)
+    step, extra = o_def.unflatten(o_leaves)
+    out = _tree_step(key.opt, key.placement, key.use_global, grads, params, state, global_step, step, extra)
+    leaves, out_def = _flatten(out)
+    if out_def != ps_def:
+        raise _Restructured
+    return leaves
+
+
+def _tree_step(opt: Optimizer, placement: Any, use_global: bool, grads: Any, params: Any, state: OptimizerState,
+               global_step: Any, step: Any, extra: dict) -> tuple:
+    if use_global:
+        step = global_step
+    new_params, new_state = opt.update(grads, _tie(params), _tie(state), step, **extra)
+    new_params, new_state = _pinned(params, state, new_params, new_state, placement)
+    if global_step is not None:
+        global_step = global_step._with_value(global_step.read_value() + 1)
+    return new_params, new_state, global_step
+
+
+_jitted_update = jax.jit(_flat_step, static_argnums=(0,), donate_argnums=(2,))
+# Over trees of Variables (identity in the treedef: a new model traces again): only for an `update` that
+# returns another layout than it was given.
+_jitted_trees = jax.jit(_tree_step, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
+
+
+def _apply_trees(opt, grads, params, state, step, global_step, extra, use_global):
+    key = (opt, jax.tree.structure(grads))
+    if key not in _SEEN:
+        params, state, global_step = _commit_tree((params, state, global_step))
+        if len(_SEEN) < 4096:
+            _SEEN.add(key)
+    placement, uncommitted = (None, False)
+    if _multi_device():
+        placement, uncommitted = _placement(jax.tree.leaves(params), state)
+    if uncommitted:
+        params, state, global_step = _commit_tree((params, state, global_step))
+    out = _jitted_trees(opt, placement, use_global, grads, params, state, global_step,
+                        None if use_global else step, extra or {})
+    return out if global_step is not None else out[:2]
+
+
+def lower(opt: Optimizer, grads: Any, params: Any, state: OptimizerState, step: Any = None) -> Any:
+    """The flat step lowered for these arguments (`.compile().memory_analysis()` in the benchmark)."""
+    other = (step, {})
+    g_leaves, g_def = _flatten(grads)
+    ps_leaves, ps_def = _flatten((params, state, None))
+    o_leaves, o_def = _flatten(other)
+    plan = _new_plan(opt, g_def, grads, params, state, None, other, False)
+    _trace.defs = (g_def, ps_def, o_def)
+    try:
+        return _jitted_update.lower(plan.key, g_leaves, ps_leaves, o_leaves)
+    finally:
+        _trace.defs = None
+
+
+def _first_donated(params: Any, state: OptimizerState, global_step: Any = None) -> str | None:
     """A name for the first param or state leaf whose buffer an earlier step donated, or None."""
-    for where, tree in (("params", params), ("state", state)):
+    for where, tree in (("params", params), ("state", state), ("global_step", global_step)):
         for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]:
             if is_deleted_array(_value(x)):
                 at = f"{where}{jax.tree_util.keystr(path)}"
@@ -103,28 +290,25 @@ def _tie(tree: Any) -> Any:
     return treedef.unflatten([leaves[i] for i in _owners(leaves)])
 
 
-def _step(
-    opt: Optimizer, grads: Any, params: Any, state: OptimizerState, step: Any, placement: Any = None
-) -> tuple[Any, OptimizerState]:
-    new_params, new_state = opt.update(grads, _tie(params), _tie(state), step)
-    return _pinned(params, state, new_params, new_state, placement)
-
-
-_jitted_update = jax.jit(_step, static_argnums=(0, 5), donate_argnums=(2, 3))
-
-_SEEN: set = set()  # (optimizer, grads treedef) already stepped by apply_gradients
-
-
-def _commit(tree: Any) -> Any:
-    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not isinstance(x, Tracer)]
+def _commit(leaves: list) -> list:
+    """`leaves` with every uncommitted concrete array committed where it is (aliased, no copy)."""
+    arrays = [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, Tracer)]
     if len({d for x in arrays if x.committed for d in x.sharding.device_set}) > 1:
-        return tree  # placed across devices already: committing the rest to one device would clash
+        return leaves  # placed across devices already: committing the rest to one device would clash
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not isinstance(x, Tracer) and not x.committed]
+    if not at:
+        return leaves
+    # One batched device_put: 1,000 single ones cost 100 ms on CPU, about 30 times this.
+    put = jax.device_put([leaves[i] for i in at], [leaves[i].sharding for i in at], may_alias=True)
+    leaves = list(leaves)
+    for i, x in zip(at, put, strict=True):
+        leaves[i] = x
+    return leaves
 
-    def commit(x):
-        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and not x.committed:
-            return jax.device_put(x, x.sharding, may_alias=True)
-        return x
-    return jax.tree.map(commit, tree)
+
+def _commit_tree(tree: Any) -> Any:
+    leaves, treedef = _flatten(tree)
+    return treedef.unflatten(_commit(leaves))
 
 
 # --- placement ---------------------------------------------------------------------------------------------------
@@ -155,24 +339,25 @@ class _Placement:
 
 
 _last_placement: list = [None]
-_multi_device: list = []  # [bool], filled on first use: one device in the process means nothing can drift
+_device_count: list = []  # [int], filled on first use
+
+
+def _multi_device() -> bool:
+    """Whether the process has several devices; with one, nothing can drift and jit keeps outputs uncommitted."""
+    if not _device_count:
+        _device_count.append(jax.device_count())
+    return _device_count[0] > 1
 
 
 def _sharding(x: Any) -> Any:
     return x.sharding if type(x) is ArrayImpl else None  # not a tracer (a step inside a caller's jit)
 
 
-def _placement(params: Any, state: OptimizerState) -> tuple[_Placement | None, bool]:
+def _placement(leaves: list, state: OptimizerState) -> tuple[_Placement | None, bool]:
     """The placement key of a step, and whether a param's value is uncommitted (made outside jit).
 
-    Costs one flatten of params per step (about 0.35 ms for 1,000 params), in processes with several devices
-    only: with one, nothing can drift and jit keeps its outputs uncommitted too.
+    `leaves` are the param values. Called in processes with several devices only.
     """
-    if not _multi_device:
-        _multi_device.append(jax.device_count() > 1)
-    if not _multi_device[0]:
-        return None, False
-    leaves = jax.tree.leaves(params)
     shardings = tuple([x.sharding if type(x) is ArrayImpl else None for x in leaves])
     non_slots = tuple([_sharding(v._value) if isinstance(v, Variable) else None for v in state.non_slots.values()])
     last = _last_placement[0]

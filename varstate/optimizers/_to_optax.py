@@ -1,0 +1,170 @@
+"""`to_optax`: any varstate optimizer as an optax ``GradientTransformation`` with TF's numerics inside."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+
+from varstate._jax_compat import Tracer
+from varstate._registry import Registry
+from varstate._variable import Variable, owning_variable
+from varstate.optimizers._matching import _is_var, _value
+from varstate.optimizers._state import OptimizerState
+
+if TYPE_CHECKING:
+    # Not imported at run time: Optimizer.to_optax imports this module (an import cycle otherwise). Optimizers
+    # whose initial state is not made of constants (from_optax, LossScaleOptimizer) say so by `_initial_arrays`.
+    from varstate.optimizers._base import Optimizer
+
+
+class TFOptimizerState(NamedTuple):
+    """The optax state of `to_optax`: arrays only (TF's variables without their identities).
+
+    count:     int32, the steps taken (the ``step`` a callable hyperparameter sees).
+    slots:     {slot name: tree with the params' structure}, e.g. Adam's ``m`` and ``v``.
+    non_slots: {name: array}, e.g. Adam's ``beta1_power``.
+    """
+
+    count: Any
+    slots: dict[str, Any]
+    non_slots: dict[str, Any]
+
+
+def _leaves(params: Any) -> tuple[list, Any]:
+    """The param leaves as plain arrays (a varstate Variable by its value), and their treedef."""
+    leaves, treedef = jax.tree.flatten(params, is_leaf=_is_var)
+    return [_value(x) for x in leaves], treedef
+
+
+def _initial(opt: Optimizer, leaves: list) -> tuple[dict[str, list], dict[str, Any]]:
+    """`opt`'s initial slots (lists, one entry per leaf) and non-slots (arrays), traceable.
+
+    `Optimizer.init` makes Variables, which cannot be made under a trace
+    (``jax.jit(tx.init)``, ``jax.eval_shape(tx.init, ...)``, as orbax restores
+    do). Hosted optax state is computed by the transformation itself; every
+    other optimizer's initial state depends on the params' shapes and dtypes
+    only (TF fills slots with constants), so it is made outside the trace from
+    zeros of those shapes (and checked against ones: a slot that copies the
+    params is an error there).
+    """
+    hook = getattr(opt, "_initial_arrays", None)
+    if hook is not None:
+        return hook(leaves, _initial)
+    if not any(isinstance(x, Tracer) for x in leaves):
+        return _arrays(opt.init(leaves))
+    with jax.core.eval_context():
+        made = [_arrays(opt.init([jnp.full(x.shape, fill, x.dtype) for x in leaves])) for fill in (0, 1)]
+    if not all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), *made))):
+        raise ValueError(
+            f"to_optax({type(opt).__name__}).init under jax.jit or jax.eval_shape: this optimizer's initial state "
+            "depends on the params' values (a slot copies them), which a trace does not have. Call tx.init(params) "
+            "outside jit."
+        )
+    return made[0]
+
+
+def _arrays(state: OptimizerState) -> tuple[dict[str, list], dict[str, Any]]:
+    return ({name: [_value(s) for s in tree] for name, tree in state.slots.items()},
+            {name: v.value for name, v in state.non_slots.items()})
+
+
+def to_optax(opt: Optimizer) -> Any:
+    """`opt` as an optax ``GradientTransformationExtraArgs``: ``init(params)``, ``update(grads, state, params)``.
+
+    The step is `opt.update` (TF's numerics, slot for slot); the state is a
+    `TFOptimizerState` of arrays, so it checkpoints as any optax state (orbax,
+    or `checkpoint.Checkpoint` as a pytree). It works wherever optax does:
+    `optax.chain`, `flax.nnx.Optimizer` (``wrt=nnx.Param``), a train step
+    under ``jax.jit``. Keyword arguments of ``update`` beyond ``params``
+    (``value=`` ...) reach ``opt.update``. ``init`` may run under ``jax.jit``
+    or ``jax.eval_shape``.
+
+    What differs from ``opt.apply_gradients``:
+
+    - optax returns updates, ``new - old``, which the caller adds back
+      (``optax.apply_updates``): one subtraction and one addition more. When
+      each new value is within a factor of two of the old one (same sign, as
+      for any step that changes a weight by less than half of it) the
+      subtraction is exact (Sterbenz's lemma) and ``old + (new - old)`` is
+      ``new``: under ``jax.jit`` (as ``apply_gradients`` runs) the params
+      are bitwise those of ``apply_gradients``. A step that crosses zero or
+      more than halves or doubles a value can differ by the rounding of
+      ``new - old`` (half an ulp of ``|new - old|``) plus the addition's.
+      Run eagerly, op by op, the step itself rounds where the jitted one
+      fuses (an ulp or so), as any JAX code does.
+    - the params are plain arrays (a varstate Variable is read; its update is
+      a Variable of the same resource, as ``jax.grad`` returns): no slot
+      Variables, no identity links and no donation.
+    - a None gradient leaves its param and slots unchanged (update zero), as TF does.
+    - ``params`` is required: TF's optimizers compute each new value from the old one.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from varstate.optimizers import Adam
+    >>> from varstate.optimizers._to_optax import to_optax
+    >>> tx = to_optax(Adam(0.1))
+    >>> params = {"w": jnp.array([1.0, 2.0])}
+    >>> state = tx.init(params)
+    >>> sorted(state.slots), sorted(state.non_slots)
+    (['m', 'v'], ['beta1_power', 'beta2_power'])
+    >>> updates, state = tx.update({"w": jnp.array([0.5, -1.0])}, state, params)
+    >>> [round(x, 4) for x in optax.apply_updates(params, updates)["w"].tolist()]
+    [0.9, 2.1]
+    """
+    import optax  # optional dependency: needed only here
+
+    if not hasattr(opt, "apply_gradients"):  # what optax transformations lack (not isinstance: see the imports)
+        hint = (" It is an optax transformation already." if hasattr(opt, "init") and hasattr(opt, "update")
+                else "")
+        raise TypeError(
+            f"to_optax: expected a varstate.optimizers.Optimizer (e.g. Adam(1e-3)), got {type(opt).__name__}.{hint}"
+        )
+    registry = Registry()  # the non-slot stand-ins' names stay out of the caller's registries
+    held: dict[tuple, Variable] = {}
+
+    def stand_in(name: str, value: Any) -> Variable:
+        # opt.update takes non-slots as Variables; one per (name, type), made outside any trace, then re-valued.
+        key = (name, tuple(value.shape), jnp.dtype(value.dtype))
+        if key not in held:
+            with jax.core.eval_context():
+                held[key] = owning_variable(jnp.zeros(key[1], key[2]), name=name, trainable=False, registry=registry)
+        return held[key]._with_value(value)
+
+    def init(params: Any) -> TFOptimizerState:
+        leaves, treedef = _leaves(params)
+        slots, non_slots = _initial(opt, leaves)
+        return TFOptimizerState(
+            count=jnp.zeros((), jnp.int32),
+            slots={name: treedef.unflatten(made) for name, made in slots.items()},
+            non_slots=non_slots,
+        )
+
+    def update(updates: Any, state: TFOptimizerState, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        if params is None:
+            raise ValueError(
+                f"to_optax({type(opt).__name__}).update needs params (optax's third argument): TF's optimizers "
+                "compute each new value from the old one. Call tx.update(grads, state, params)."
+            )
+        p_vars, treedef = jax.tree.flatten(params, is_leaf=_is_var)
+        old = [_value(x) for x in p_vars]
+        grads = treedef.flatten_up_to(updates)
+        given = OptimizerState(
+            slots={name: treedef.flatten_up_to(tree) for name, tree in state.slots.items()},
+            non_slots={name: stand_in(name, value) for name, value in state.non_slots.items()},
+        )
+        new, new_state = opt.update(grads, old, given, state.count, **extra_args)
+        deltas = [
+            p._with_value(n - o) if isinstance(p, Variable) else n - o
+            for p, n, o in zip(p_vars, new, old, strict=True)
+        ]
+        out = TFOptimizerState(
+            count=state.count + 1,
+            slots={name: treedef.unflatten([_value(s) for s in made]) for name, made in new_state.slots.items()},
+            non_slots={name: v._value for name, v in new_state.non_slots.items()},
+        )
+        return treedef.unflatten(deltas), out
+
+    return optax.GradientTransformationExtraArgs(init, update)
