@@ -171,129 +171,19 @@ def test_errors():
     assert state.non_slot("iteration").value.item() == 1
 
 
-# --- the conformance suite's checks (tests/varstate/test_optimizers.py), on the Keras optimizers ----------------
-ALL = {
-    "sgd": lambda: keras.SGD(0.1, momentum=0.9, nesterov=True),
-    "adam": lambda: keras.Adam(0.1, amsgrad=True),
-    "adamw": lambda: keras.AdamW(0.1),
-    "rmsprop": lambda: keras.RMSprop(0.1, momentum=0.5, centered=True),
-    "adagrad": lambda: keras.Adagrad(0.1),
-    "adadelta": lambda: keras.Adadelta(1.0),
-    "adamax": lambda: keras.Adamax(0.1),
-    "nadam": lambda: keras.Nadam(0.1),
-    "lion": lambda: keras.Lion(0.1),
-    "ftrl": lambda: keras.Ftrl(0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
-    "schedule": lambda: keras.Adam(lambda it: 0.1 / (1.0 + it.astype(jnp.float32))),
-}
-
-
-def _is_var(x):
-    return isinstance(x, varstate.Variable)
-
-
-def _slot_vars(state):
-    return jax.tree.leaves(state.slots, is_leaf=_is_var)
-
-
-@pytest.mark.parametrize("name", sorted(ALL))
+# The conformance suite (tests/varstate/test_optimizers.py) runs over these optimizers too; here only what is
+# Keras's own: sparse gradients keep the dtype, `iteration` counts steps, and the slots are Keras's.
+@pytest.mark.parametrize("name", sorted(set(keras.__all__) - {"KerasOptimizer"}))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_dtype_is_preserved(name, dtype):
-    opt = ALL[name]()
+def test_sparse_steps_keep_the_dtype_count_iterations_and_make_kerass_slots(name, dtype):
+    opt = getattr(keras, name)(0.1)
     w = varstate.Variable(jnp.ones((4, 2), dtype), name="w")
+    state = opt.init([w])
+    assert set(state.get_slot_names()) == {s for group in opt.keras_layout()[1] for s in group}
     grads = [IndexedSlices(jnp.full((2, 2), 0.5, dtype), jnp.array([1, 1]), (4, 2))]
-    for g in ([jnp.full((4, 2), 0.5, dtype)], grads):
-        params, state = opt.apply_gradients(g, [w], opt.init([w]))
-        assert params[0].dtype == dtype  # values may be NaN: Keras's Nadam in bfloat16 divides by 1 - 0.999 == 0
-        assert all(s.dtype == dtype for s in _slot_vars(state))
-        w = varstate.Variable(jnp.ones((4, 2), dtype), name="w")
-
-
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_sharding_is_preserved_across_steps(name):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
-    opt = ALL[name]()
-    params = [varstate.Variable(jax.device_put(jnp.ones((16, 4)), sharding), name=n) for n in ("dense", "sparse")]
-    state = opt.init(params)
-    assert all(s.sharding.is_equivalent_to(sharding, 2) for s in _slot_vars(state))
-    grads = [jnp.ones((16, 4)), IndexedSlices(jnp.ones((3, 4)), jnp.array([1, 9, 1]), (16, 4))]
+    params = [w]
     for _ in range(2):
         params, state = opt.apply_gradients(grads, params, state)
-    assert all(p.sharding.is_equivalent_to(sharding, 2) for p in params)
-    assert all(s.sharding.is_equivalent_to(sharding, 2) for s in _slot_vars(state))
-
-
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_none_gradients_and_non_trainable_variables_are_skipped(name):
-    opt = ALL[name]()
-    params = {
-        "a": varstate.Variable(jnp.ones(3), name="a"),
-        "b": varstate.Variable(jnp.full(3, 2.0), name="b"),
-        "frozen": varstate.Variable(jnp.full(3, 3.0), name="frozen", trainable=False),
-    }
-    state = opt.init(params)
-    assert all(s.handle.slot_of != params["frozen"].resource_id for s in _slot_vars(state))
-    params, state = opt.apply_gradients({"a": jnp.ones(3), "b": jnp.ones(3), "frozen": None}, params, state)
-    b_before = np.asarray(params["b"].value)
-    params, state = opt.apply_gradients({"a": jnp.ones(3), "b": None, "frozen": jnp.ones(3)}, params, state)
-    np.testing.assert_array_equal(np.asarray(params["b"].value), b_before)
-    np.testing.assert_array_equal(np.asarray(params["frozen"].value), np.full(3, 3.0))
+    assert params[0].dtype == dtype  # values may be NaN: Keras's Nadam in bfloat16 divides by 1 - 0.999 == 0
+    assert all(state.get_slot(params[0], n).dtype == dtype for n in state.get_slot_names())
     assert state.non_slot("iteration").value.item() == 2
-
-
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_no_recompile_after_the_first_step_and_donation_honoured(name):
-    from varstate.optimizers._step import _jitted_update
-
-    opt = ALL[name]()
-    params = {"w": varstate.Variable(jnp.ones((3, 2)), name="w"), "b": varstate.Variable(jnp.zeros(2), name="b")}
-    state = opt.init(params)
-    grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
-    old_value, old_slots = params["w"].value, [s.value for s in _slot_vars(state)]
-    params, state = opt.apply_gradients(grads, params, state)
-    assert old_value.is_deleted() and all(s.is_deleted() for s in old_slots)
-    compiled = _jitted_update._cache_size()
-    for _ in range(3):
-        params, state = opt.apply_gradients(grads, params, state)
-    assert _jitted_update._cache_size() == compiled
-
-
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_slots_are_named_linked_and_keep_their_identity(name):
-    opt = ALL[name]()
-    w = varstate.Variable(jnp.ones((3, 2)), name="dense/kernel")
-    state = opt.init({"w": w})
-    slot_ids = {n: state.get_slot(w, n).resource_id for n in state.get_slot_names()}
-    assert set(slot_ids) == {s for group in opt.keras_layout()[1] for s in group}
-    for n in state.get_slot_names():
-        slot = state.get_slot(w, n)
-        assert slot.name == f"{w.name}/{n}" and slot.handle.slot_of == w.resource_id and slot.shape == w.shape
-    params, state = opt.apply_gradients({"w": jnp.ones((3, 2))}, {"w": w}, state)
-    assert {n: state.get_slot(params["w"], n).resource_id for n in state.get_slot_names()} == slot_ids
-
-
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_update_inside_a_callers_jit_equals_apply_gradients(name):
-    opt = ALL[name]()
-
-    def fresh():
-        return {"w": varstate.Variable(jnp.arange(6.0).reshape(3, 2), name="w")}
-
-    grads = {"w": IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 0]), (3, 2))}
-    p1 = fresh()
-    p1, _ = jax.jit(opt.update)(grads, p1, opt.init(p1))
-    p2 = fresh()
-    p2, _ = opt.apply_gradients(grads, p2, opt.init(p2))
-    np.testing.assert_array_equal(np.asarray(p1["w"].value), np.asarray(p2["w"].value))
-
-
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_plain_array_params_get_plain_array_slots(name):
-    opt = ALL[name]()
-    arrays = {"w": jnp.arange(4.0)}
-    state = opt.init(arrays)
-    assert not any(_is_var(x) for x in jax.tree.leaves(state.slots, is_leaf=_is_var))
-    new, _ = opt.apply_gradients({"w": jnp.ones(4)}, arrays, state)
-    v = varstate.Variable(jnp.arange(4.0), name="w")
-    via_var, _ = opt.apply_gradients({"w": jnp.ones(4)}, {"w": v}, opt.init({"w": v}))
-    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(via_var["w"].value))

@@ -25,6 +25,7 @@ from varstate.optimizers import (
     ProximalGradientDescent,
     RMSProp,
     from_optax,
+    keras,
 )
 from varstate.optimizers._step import _jitted_update
 
@@ -235,6 +236,18 @@ ALL = {
     "proximal_adagrad": lambda: ProximalAdagrad(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
     "proximal_gd": lambda: ProximalGradientDescent(0.1, l1_regularization_strength=0.01,
                                                    l2_regularization_strength=0.1),
+    # Keras 3's optimizers (varstate.optimizers.keras), with Keras's numerics and state.
+    "keras_sgd": lambda: keras.SGD(0.1, momentum=0.9, nesterov=True),
+    "keras_adam": lambda: keras.Adam(0.1, amsgrad=True),
+    "keras_adamw": lambda: keras.AdamW(0.1),
+    "keras_rmsprop": lambda: keras.RMSprop(0.1, momentum=0.5, centered=True),
+    "keras_adagrad": lambda: keras.Adagrad(0.1),
+    "keras_adadelta": lambda: keras.Adadelta(1.0),
+    "keras_adamax": lambda: keras.Adamax(0.1),
+    "keras_nadam": lambda: keras.Nadam(0.1),
+    "keras_lion": lambda: keras.Lion(0.1),
+    "keras_ftrl": lambda: keras.Ftrl(0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
+    "keras_schedule": lambda: keras.Adam(lambda it: 0.1 / (1.0 + it.astype(jnp.float32))),
 }
 
 
