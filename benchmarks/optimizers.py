@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 import varstate
-from varstate.optimizers import Adam, _step
+from varstate.optimizers import Adam, _packed, _step
 
 REPEATS = 5
 
@@ -90,6 +90,7 @@ def bench_dense(count, shape, n_steps, container="list", grads_from="full", with
 
     opt = Adam(lr)
     params = arrange([varstate.Variable(jnp.zeros(shape), name=f"p{i}") for i in range(count)])
+    fused_params = arrange([varstate.Variable(jnp.zeros(shape), name=f"f{i}") for i in range(count)])
 
     tx = optax.adam(lr)
     step = _optax_step(tx)
@@ -102,6 +103,7 @@ def bench_dense(count, shape, n_steps, container="list", grads_from="full", with
     a1, a2 = fresh_arrays(), fresh_arrays()
     runners = {
         "varstate": (lambda c: opt.apply_gradients(grads, *c), (params, opt.init(params))),
+        "fused": (lambda c: opt.apply_gradients(grads, *c), (fused_params, opt.init(fused_params, fused=True))),
         "optax": (lambda c: step(*c, grads), (a1, tx.init(a1))),
         "flatten": (lambda c: flat_step(*c, grads), (a2, flat_tx.init(a2))),
     }
@@ -182,22 +184,51 @@ def bench_lazy(rows, dim, touched, n_steps):
     return lazy_t, dense_t
 
 
+def bench_threshold(total, sizes, n_steps):
+    """Fused vs unfused Adam over `total` float32 elements split into params of each size: where packing pays."""
+    out = {}
+    opt = Adam(1e-3)
+    for size in sizes:
+        count = total // size
+        grads = [jnp.full((size,), 0.01) for _ in range(count)]
+        runners = {}
+        for fused in (False, True):
+            params = [varstate.Variable(jnp.zeros((size,)), name=f"t{fused}{i}") for i in range(count)]
+            runners[fused] = (lambda c, g=grads: opt.apply_gradients(g, *c), (params, opt.init(params, fused=fused)))
+        # Packing is what is measured: lift the size limit for this row.
+        limit, _packed.FUSE_MAX_SIZE = _packed.FUSE_MAX_SIZE, max(size, _packed.FUSE_MAX_SIZE)
+        try:
+            t = _time(runners, n_steps)
+        finally:
+            _packed.FUSE_MAX_SIZE = limit
+        out[size] = t[True][0] / t[False][0]
+    return out
+
+
 def main():
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; min over {REPEATS} interleaved repeats")
-    print("each cell: wall ms / CPU ms; ratios of wall times (of CPU times); < 1: varstate is faster\n")
-    print(f"{'Adam step':<34}{'varstate':>15}{'optax.adam':>15}{'optax.flatten':>15}"
-          f"{'ours/adam':>16}{'ours/flatten':>16}{'nnx/ours':>16}")
+    print("each cell: wall ms / CPU ms; ratios of wall times (of CPU times); < 1: varstate is faster")
+    print("varstate: Adam(...).init(params); fused: .init(params, fused=True) (slots of params up to "
+          f"{_packed.FUSE_MAX_SIZE} elements packed)\n")
+    print(f"{'Adam step':<34}{'varstate':>15}{'fused':>15}{'optax.adam':>15}{'optax.flatten':>15}"
+          f"{'ours/adam':>16}{'fused/adam':>16}{'fused/flatten':>16}{'nnx/ours':>16}")
     for count, shape, n in [(1000, (16, 4), 20), (200, (256, 64), 20)]:
         for container in ("list", "dict"):
             for grads_from in ("full", "jit"):
                 with_nnx = container == "list" and grads_from == "full"
                 t = bench_dense(count, shape, n, container, grads_from, with_nnx)
-                ours, ref, flat = t["varstate"], t["optax"], t["flatten"]
-                cells = "".join(f"{w * 1e3:>8.2f}/{c * 1e3:<6.2f}" for w, c in (ours, ref, flat))
+                ours, fused, ref, flat = t["varstate"], t["fused"], t["optax"], t["flatten"]
+                cells = "".join(f"{w * 1e3:>8.2f}/{c * 1e3:<6.2f}" for w, c in (ours, fused, ref, flat))
                 nnx_cell = f"{t['nnx'][0] / ours[0]:>9.1f}x ({t['nnx'][1] / ours[1]:.1f}x)" if with_nnx else ""
                 label = f"{count} x {shape[0]}x{shape[1]}, {container}, grads {grads_from}"
                 print(f"{label:<34}{cells}{ours[0] / ref[0]:>9.3f} ({ours[1] / ref[1]:.3f})"
-                      f"{ours[0] / flat[0]:>9.3f} ({ours[1] / flat[1]:.3f}){nnx_cell}")
+                      f"{fused[0] / ref[0]:>9.3f} ({fused[1] / ref[1]:.3f})"
+                      f"{fused[0] / flat[0]:>9.3f} ({fused[1] / flat[1]:.3f}){nnx_cell}")
+
+    sizes = (64, 1024, 4096, 16384)
+    ratios = bench_threshold(1 << 18, sizes, 10)
+    print("\nfused/unfused over 262,144 elements split into params of n elements: "
+          + ", ".join(f"n={n}: {r:.2f}" for n, r in ratios.items()))
 
     ours_f, before_f = bench_fresh_model(1000, (16, 4))
     print(f"\nfirst step of a freshly built, identical model (1000 x 16x4, dict): {ours_f * 1e3:.0f} ms "

@@ -361,6 +361,9 @@ def restore_by_name(
             f"{type(optimizer_state).__name__}."
         )
 
+    given_state = optimizer_state
+    if optimizer_state is not None and optimizer_state.fused:  # matched per slot Variable, packed back at the end
+        optimizer_state = OptimizerState(optimizer_state.slots, optimizer_state.non_slots)
     is_var = lambda x: isinstance(x, Variable)
     n_params = len(jax.tree_util.tree_leaves(params, is_leaf=is_var))
     leaves, treedef = jax.tree_util.tree_flatten((params, optimizer_state), is_leaf=is_var)
@@ -408,6 +411,8 @@ def restore_by_name(
             new[i] = v.assign(part)
     used = set(plan.values())
     restored, state = jax.tree_util.tree_unflatten(treedef, new)
+    if given_state is not None and given_state.fused:
+        state = given_state.replace(slots=state.slots, non_slots=state.non_slots)
     return NameBasedLoadStatus(
         params=restored,
         matched={name: plan[name] for name in sorted(plan)},

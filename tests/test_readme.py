@@ -14,6 +14,9 @@ import sys
 
 import pytest
 
+# One worker for the whole module under `--dist loadgroup`: its module-scoped fixture then runs once.
+pytestmark = pytest.mark.xdist_group("readme")
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 _BLOCK = re.compile(r"```python\n(.*?)```(?:\n+prints `([^`]*)`)?", re.S)
 

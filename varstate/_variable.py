@@ -193,7 +193,11 @@ def _as_value(value: Any, dtype: Any, what: str, copy: bool = True) -> Any:
         out = jnp.asarray(value, dtype=dtype)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what}: cannot convert {type(value).__name__} to an array: {e}") from None
-    if copy and out is value:  # the caller's own jax.Array (numpy and Python values are copied by asarray)
+    if jax.typeof(out).weak_type:
+        # A TF variable has a definite dtype; a weakly typed value (from a Python number, or jnp.full with one)
+        # would also make the first step's jit differ from the next one's (its outputs are strongly typed).
+        out = jax.lax.convert_element_type(out, out.dtype)
+    elif copy and out is value:  # the caller's own jax.Array (numpy and Python values are copied by asarray)
         out = _copy(out)
     if isinstance(value, (float, complex, list, tuple)) and jnp.issubdtype(out.dtype, jnp.integer):
         exact = np.asarray(value)

@@ -56,7 +56,7 @@ class Graph:
 def build(roots: dict[str, Any]) -> Graph:
     """Walks `roots` breadth-first (TF's order) into a TrackableObjectGraph."""
     proto = TrackableObjectGraph()
-    proto.nodes.add()  # the root: the Checkpoint itself
+    nodes = [proto.nodes.add()]  # the root: the Checkpoint itself. Held in a list: indexing the proto's is slow
     paths = [""]
     labels = ["(root)"]  # TF's pretty names, for errors
     objects: list[Any] = [None]
@@ -72,8 +72,8 @@ def build(roots: dict[str, Any]) -> Graph:
             ident = identity(child, k)
             node_id = node_of.get(ident) if ident is not None else None
             if node_id is None:
-                node_id = len(proto.nodes)
-                proto.nodes.add()
+                node_id = len(nodes)
+                nodes.append(proto.nodes.add())
                 path = f"{paths[parent]}/{_keys.escape(name)}" if parent else _keys.escape(name)
                 paths.append(path)
                 labels.append(f"{labels[parent]}.{name}")
@@ -83,7 +83,7 @@ def build(roots: dict[str, Any]) -> Graph:
                     node_of[ident] = node_id
                 if k in (CONTAINER, OPTIMIZER):
                     queue.append((node_id, children(child, labels[node_id])))
-            ref = proto.nodes[parent].children.add()
+            ref = nodes[parent].children.add()
             ref.node_id, ref.local_name = node_id, name
     saveables = []
     for node_id in range(1, len(objects)):
@@ -92,12 +92,12 @@ def build(roots: dict[str, Any]) -> Graph:
             attr = _keys.PY_STATE if k == PYTHON else _keys.VARIABLE_VALUE
             key = _keys.attribute_key(path, attr)
             full_name = as_variable(obj).name if k == VARIABLE else obj.name if k == PARTITIONED else path
-            _add_attribute(proto.nodes[node_id], attr, full_name, key)
+            _add_attribute(nodes[node_id], attr, full_name, key)
             saveables.append(Saveable(key, obj, full_name, attr))
             value = as_variable(obj).value if k == VARIABLE else obj
             if k in (VARIABLE, ARRAY) and is_prng_key(value):
                 impl_key = _keys.attribute_key(path, PRNG_KEY_IMPL)
-                _add_attribute(proto.nodes[node_id], PRNG_KEY_IMPL, full_name, impl_key)
+                _add_attribute(nodes[node_id], PRNG_KEY_IMPL, full_name, impl_key)
                 saveables.append(Saveable(impl_key, key_impl(value), full_name, PRNG_KEY_IMPL))
     # Slots: found through their primary's resource id among all nodes, as TF
     # asks each optimizer for the slot of every variable in the graph (a slot
@@ -125,15 +125,15 @@ def build(roots: dict[str, Any]) -> Graph:
                 )
             existing = node_of.get(("v", shards[0].resource_id)) if len(shards) == 1 else None
             if existing is None:
-                existing = len(proto.nodes)
-                proto.nodes.add()
+                existing = len(nodes)
+                nodes.append(proto.nodes.add())
                 paths.append(_keys.slot_path(paths[primary], paths[opt_id], slot_name))
                 key = _keys.variable_key(paths[-1])
                 obj = shards[0] if kinds[primary] == VARIABLE else shards
                 full_name = shards[0].name if len(shards) == 1 else shards[0].save_slice_info.full_name
-                _add_attribute(proto.nodes[existing], _keys.VARIABLE_VALUE, full_name, key)
+                _add_attribute(nodes[existing], _keys.VARIABLE_VALUE, full_name, key)
                 saveables.append(Saveable(key, obj, full_name))
-            ref = proto.nodes[opt_id].slot_variables.add()
+            ref = nodes[opt_id].slot_variables.add()
             ref.original_variable_node_id, ref.slot_name, ref.slot_variable_node_id = primary, slot_name, existing
     _mark_values(proto)
     return Graph(proto, saveables, paths)

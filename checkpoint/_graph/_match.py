@@ -104,7 +104,7 @@ def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
         if isinstance(x, _OptCell):
             slots = jax.tree.map(resolve, x.slots, is_leaf=_is_cell)
             non_slots = jax.tree.map(resolve, x.non_slots, is_leaf=_is_cell)
-            return dataclasses.replace(x.template, slots=slots, non_slots=non_slots)
+            return x.template.replace(slots=slots, non_slots=non_slots)
         if isinstance(x, _Merge):  # merged whole: mapping over a Module as a pytree would unshare its Variables
             return _walk.nnx_merge(x.graphdef, jax.tree.map(resolve, x.state, is_leaf=_is_cell))
         if isinstance(x, _Cell):

@@ -46,6 +46,8 @@ def _nnx() -> Any:
 def is_prng_key(value: Any) -> bool:
     """True for a typed PRNG key array (``jax.random.key``), or a ShapeDtypeStruct of one."""
     dtype = getattr(value, "dtype", None)
+    if isinstance(dtype, np.dtype):  # every numeric dtype (bfloat16 too): a key's dtype is jax's extended dtype
+        return False
     return isinstance(value, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 

@@ -44,6 +44,21 @@ def crc32c(data, crc: int = 0) -> int:
     return google_crc32c.extend(crc, arr if arr.flags.c_contiguous else arr.tobytes())
 
 
+def crc32c_spans(buf: np.ndarray, spans: list[tuple[int, int]]) -> list[int]:
+    """crc32c of each (offset, length) range of the contiguous uint8 array `buf` (ranges checked to lie in it)."""
+    if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise TypeError(f"crc32c_spans needs a contiguous 1-D uint8 array, got {buf.dtype} {buf.shape}")
+    for start, n in spans:
+        if start < 0 or n < 0 or start + n > buf.size:
+            raise ValueError(f"crc32c_spans: range [{start}, +{n}) lies outside the {buf.size} bytes")
+    if _extend is None:
+        return [google_crc32c.extend(0, buf[start:start + n].tobytes()) for start, n in spans]
+    # One address for the whole buffer: a slice (and its ctypes pointer) per value costs more than
+    # the checksum of a small value.
+    base = buf.ctypes.data
+    return [_extend(0, base + start, n) for start, n in spans]
+
+
 def mask(crc: int) -> int:
     """TF's masked crc: rotated and offset, so a crc stored in data is not itself a crc of it."""
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF

@@ -16,6 +16,9 @@ import checkpoint
 import varstate
 from varstate.optimizers import Adam
 
+# One worker for the whole module under `--dist loadgroup`: its module-scoped fixture then runs once.
+pytestmark = pytest.mark.xdist_group("checkpoint_safety")
+
 # The child saves steps 1, 2, 3, ... with a CheckpointManager (max_to_keep=2); at save 3 it kills itself
 # with SIGKILL at the point named by argv[2] (or it is killed from outside). The points are the steps of a
 # save, each one small function of checkpoint._publish or checkpoint._manager (the seams), not orbax's.
@@ -63,15 +66,19 @@ CHILD = textwrap.dedent(
 )
 
 
-def run_child(directory, point):
+def run_child(directory, point, forked_python):
+    if point != "timed":  # it kills itself: a child forked from an interpreter that has imported jax will do
+        proc = forked_python(CHILD, directory, point)
+        assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+        return proc.stdout
+    # Killed from outside, somewhere inside save 4: a process of its own, whose pid and output the test watches.
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, directory, point], stdout=subprocess.PIPE, text=True, env=env)
-    if point == "timed":
-        for line in proc.stdout:
-            if line.strip() == "saved 3":
-                time.sleep(0.05)  # somewhere inside save 4
-                proc.send_signal(signal.SIGKILL)
-                break
+    for line in proc.stdout:
+        if line.strip() == "saved 3":
+            time.sleep(0.05)  # somewhere inside save 4
+            proc.send_signal(signal.SIGKILL)
+            break
     proc.wait(timeout=120)
     out = proc.stdout.read() if not proc.stdout.closed else ""
     proc.stdout.close()
@@ -83,9 +90,9 @@ POINTS = ["before-commit", "before-state", "mid-state-write", "before-delete", "
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_a_killed_save_leaves_the_last_good_checkpoint(tmp_path, point):
+def test_a_killed_save_leaves_the_last_good_checkpoint(tmp_path, forked_python, point):
     directory = str(tmp_path)
-    run_child(directory, point)
+    run_child(directory, point, forked_python)
     latest = checkpoint.latest_checkpoint(directory)
     assert latest is not None
     step = int(latest.rsplit("-", 1)[1])

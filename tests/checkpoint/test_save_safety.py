@@ -18,8 +18,10 @@ import checkpoint
 import varstate
 from checkpoint import _manager, _publish
 
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+# One worker for the whole module under `--dist loadgroup`: its module-scoped fixture then runs once.
+pytestmark = pytest.mark.xdist_group("save_safety")
 
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
 def model(x):
     return {"w": varstate.Variable(jnp.full(4, float(x))), "big": jnp.full(300_000, float(x))}
@@ -169,14 +171,14 @@ CASES += [("manager", "tf", p) for p in ("mid-retire", "before-state-names-path"
 
 
 @pytest.mark.parametrize("who, fmt, point", CASES)
-def test_a_kill_at_any_step_of_an_overwrite_leaves_a_complete_latest_checkpoint(tmp_path, who, fmt, point):
+def test_a_kill_at_any_step_of_an_overwrite_leaves_a_complete_latest_checkpoint(tmp_path, forked_python, who, fmt,
+                                                                                 point):
     directory = str(tmp_path)
     if who == "checkpoint":
         checkpoint.Checkpoint(m=model(1)).save(os.path.join(directory, "ckpt"), format=fmt)
     else:
         checkpoint.CheckpointManager(directory, format=fmt).save(1, m=model(1))
-    proc = subprocess.run([sys.executable, "-c", SWAP_CHILD, directory, who, fmt, point], env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    proc = forked_python(SWAP_CHILD, directory, who, fmt, point)
     if point == "none":
         assert proc.returncode == 0, proc.stderr
     else:
@@ -224,9 +226,8 @@ EXIT_CHILD = textwrap.dedent(
 
 
 @pytest.mark.parametrize("fmt", ["orbax", "tf"])
-def test_an_async_save_pending_at_exit_is_committed_before_the_interpreter_exits(tmp_path, fmt):
-    proc = subprocess.run([sys.executable, "-c", EXIT_CHILD, str(tmp_path), fmt, "ok"], env=ENV,
-                          capture_output=True, text=True, timeout=300)
+def test_an_async_save_pending_at_exit_is_committed_before_the_interpreter_exits(tmp_path, forked_python, fmt):
+    proc = forked_python(EXIT_CHILD, str(tmp_path), fmt, "ok")
     assert proc.returncode == 0 and "saved, exiting" in proc.stdout, proc.stderr
     assert checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-2")
     got = checkpoint.Checkpoint(m={"w": varstate.Variable(jnp.zeros(4)), "big": jnp.zeros(3_000_000)}).restore(
@@ -236,9 +237,8 @@ def test_an_async_save_pending_at_exit_is_committed_before_the_interpreter_exits
     assert leftovers(tmp_path) == []
 
 
-def test_an_async_save_that_fails_at_exit_ends_the_process_with_an_error_naming_it(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", EXIT_CHILD, str(tmp_path), "orbax", "fail"], env=ENV,
-                          capture_output=True, text=True, timeout=300)
+def test_an_async_save_that_fails_at_exit_ends_the_process_with_an_error_naming_it(tmp_path, forked_python):
+    proc = forked_python(EXIT_CHILD, str(tmp_path), "orbax", "fail")
     assert proc.returncode == 1 and "saved, exiting" in proc.stdout, proc.stderr
     assert (f"checkpoint: an asynchronous save still running when the program ended failed and was not committed: "
             f"{tmp_path / 'ckpt-2'}: OSError: [Errno 28] No space left on device. The previous checkpoint is still "

@@ -53,14 +53,17 @@ def _optimizer(spec):
     return getattr(optimizers, spec["optimizer"].removesuffix("Optimizer"))(**spec["kwargs"])
 
 
-@pytest.mark.parametrize("config", sorted(EXPECTED))
-def test_tf1_run_resumes_with_no_map_and_steps_as_tf(config):
+# Fused states (opt.init(params, fused=True)) restore the same keys into their packed buffers.
+@pytest.mark.parametrize(("config", "fused"), [(c, False) for c in sorted(EXPECTED)]
+                         + [("adam", True), ("rmsprop_centered", True), ("adagrad_da", True)])
+def test_tf1_run_resumes_with_no_map_and_steps_as_tf(config, fused):
     spec = EXPECTED[config]
     params, step = _model(spec)
     opt = _optimizer(spec)
     status = checkpoint.restore_by_name(os.path.join(DATA, config, "model.ckpt-3"), {"model": params, "step": step},
-                                        optimizer_state=opt.init(params), optimizer_scope=spec["scope"])
+                                        optimizer_state=opt.init(params, fused=fused), optimizer_scope=spec["scope"])
     assert status.assert_consumed() is status  # every TF1 key found its variable, and every variable a key
+    assert status.optimizer_state.fused == fused
     assert sorted(status.matched.values()) == spec["keys"]
     restored, state = status.params["model"], status.optimizer_state
     assert int(status.params["step"].value) == 3
@@ -78,7 +81,7 @@ def test_tf1_run_resumes_with_no_map_and_steps_as_tf(config):
     if spec["parts"]:
         grads["emb"] = [grads["emb"][:3], grads["emb"][3:]]  # one gradient per shard, TF's 3 + 2 rows
     new_params, new_state = opt.apply_gradients(grads, restored, state, step=status.params["step"])
-    ours = _by_full_name(new_params, new_state)
+    ours = _by_full_name(new_params, new_state.slots, new_state.non_slots)  # per-variable views when fused
     by_key = {key: name for name, key in status.matched.items()}
     compared = 0
     for key, want in spec["after"].items():

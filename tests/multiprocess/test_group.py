@@ -21,6 +21,9 @@ import varstate
 sys.path.insert(0, os.path.dirname(__file__))  # the model the children build
 import model as sm
 
+# One worker for the whole module under `--dist loadgroup`: its module-scoped fixture then runs once.
+pytestmark = pytest.mark.xdist_group("multiprocess_group")
+
 
 def _chunks(store: str) -> set[str]:
     """The chunk keys in one process's OCDBT store (metadata entries left out)."""
@@ -166,7 +169,7 @@ def test_train_save_and_restore_across_process_counts(group, tmp_path, reference
 def test_restore_onto_more_processes_and_a_process_dying_in_a_save(group, tmp_path, reference):
     one = str(tmp_path / "one_process")
     checkpoint.Checkpoint(model=reference["params"], optimizer=reference["state"]).write(one)
-    out = group("child_resume.py", one, all_succeed=False, env={"VARSTATE_BARRIER_TIMEOUT_S": "15"},
+    out = group("child_resume.py", one, all_succeed=False, env={"VARSTATE_BARRIER_TIMEOUT_S": "8"},
                 timeout_s=200)
     assert [o.returncode for o in out] == [0, 17], "\n".join(map(str, out))
     r0 = out[0].results
@@ -196,7 +199,7 @@ def test_restore_onto_more_processes_and_a_process_dying_in_a_save(group, tmp_pa
     kind, message = r0["dying_save"]
     assert kind == "ProcessGroupError", message
     assert "Process 0 of 2: process 1 did not reach the barrier" in message
-    assert "barrier 'varstate-written:" in message and "within 15 s (it died or is stuck" in message
+    assert "barrier 'varstate-written:" in message and "within 8 s (it died or is stuck" in message
     assert "the checkpoint being written is not published and the latest checkpoint is unchanged" in message
     assert out[0].results["dying_seconds"] < 60  # the barrier timeout, not jax's 100 s heartbeat timeout
     directory = str(tmp_path / "dying")

@@ -126,13 +126,17 @@ def test_op_by_op_the_arithmetic_is_tfs_bit_for_bit(case):
                     np.testing.assert_array_max_ulp(np.asarray(g), w, maxulp=max_ulp)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("case", ["adam", "momentum", "rmsprop_centered"])
-def test_a_tf_v1_checkpoint_restores_consumed_and_training_continues_as_in_tf(case):
+def test_a_tf_v1_checkpoint_restores_consumed_and_training_continues_as_in_tf(case, fused):
+    # Fused: TF's per-variable slots restore into the packed buffers, and the sparse steps of packed params
+    # (emb, vec get IndexedSlices) write into their slices.
     opt = TF_CASES[case]
     params = {k: Variable(jnp.zeros(FIXTURES[f"init/{k}"].shape), name=k) for k in NAMES}
     prefix = os.path.join(DATA, "tf_optimizer_ckpt", case)
-    status = checkpoint.Checkpoint(model=params, optimizer=opt.init(params)).restore(prefix)
+    status = checkpoint.Checkpoint(model=params, optimizer=opt.init(params, fused=fused)).restore(prefix)
     status.assert_consumed()  # exactly TF's variables: every slot and non-slot matched, nothing left over
+    assert status.optimizer.fused == fused
     params, state = opt.apply_gradients(_fixture_grads(3), status.model, status.optimizer)
     for k in NAMES:
         assert_tf_close(params[k].value, FIXTURES[f"{case}/3/{k}"], f"{case} step 3 after restore, {k}")
@@ -140,9 +144,10 @@ def test_a_tf_v1_checkpoint_restores_consumed_and_training_continues_as_in_tf(ca
         assert_tf_close(var.value, FIXTURES[f"{case}/3/{name}"], f"{case} step 3 after restore, {name}")
 
 
-def test_a_tf_format_checkpoint_of_the_state_has_tf_keys(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_a_tf_format_checkpoint_of_the_state_has_tf_keys(tmp_path, fused):
     params = _fixture_params()
-    state = TF_CASES["rmsprop_centered"].init(params)
+    state = TF_CASES["rmsprop_centered"].init(params, fused=fused)
     path = checkpoint.Checkpoint(model=params, optimizer=state).write(str(tmp_path / "ckpt"), format="tf")
     keys = {k for k in checkpoint.read_checkpoint(path).keys() if "optimizer" in k.split("/.ATTRIBUTES")[0]}
     assert keys == set(FIXTURES["rmsprop_centered/checkpoint_keys"].tolist())

@@ -67,7 +67,10 @@ def test_100k_variables_created_and_dropped_leave_registry_as_before():
     r = Registry()
     keep = Variable(0.0, name="keep", registry=r)
     before = len(r)
-    value = jnp.zeros(())
+    # Registration and its removal involve only the handle, whatever the value holds; an abstract value
+    # spares 100,000 device copies (12 s against 0.8). Concrete variables leaving the registry, even after
+    # a jit, are test_entries_do_not_outlive_their_variables.
+    value = jax.ShapeDtypeStruct((), jnp.float32)
     for _ in range(100_000):
         Variable(value, name="tmp", registry=r)
     gc.collect()

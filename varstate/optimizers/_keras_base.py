@@ -139,7 +139,8 @@ class KerasOptimizer(Optimizer):
         return {**lr, **self._extra_non_slots()}
 
     # --- state ----------------------------------------------------------
-    def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
+    def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
+             fused: bool | None = None) -> OptimizerState:
         """Slots and non-slots as `Optimizer.init`, plus Keras's int64 ``iteration`` counter (starting at 0).
 
         >>> import jax.numpy as jnp, varstate
@@ -149,14 +150,14 @@ class KerasOptimizer(Optimizer):
         >>> sorted(state.non_slots), state.non_slot("iteration").value.item(), state.get_slot(w, "momentum").name
         (['iteration', 'learning_rate'], 0, 'w/momentum')
         """
-        state = super().init(params, state)
+        state = super().init(params, state, stepped=stepped, fused=fused)
         if "iteration" in state.non_slots:
             return state
         leaves = jax.tree.leaves(params, is_leaf=_is_var)
         first = next((p for p in leaves if isinstance(p, Variable)), None)
         registry = first.handle.registry if first is not None else None
         counter = int64_counter("iteration", registry, device=_scalar_placement(first))
-        return OptimizerState(slots=state.slots, non_slots={"iteration": counter, **state.non_slots})
+        return state.replace(non_slots={"iteration": counter, **state.non_slots})
 
     def update(
         self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any

@@ -145,17 +145,18 @@ class LossScaleOptimizer(Optimizer):
                 raise ValueError(f"LossScaleOptimizer: growth_interval must be a positive integer, got {growth!r}.")
             object.__setattr__(self, "growth_interval", int(growth))
 
-    def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
+    def init(self, params: Any, state: OptimizerState | None = None, **kwargs: Any) -> OptimizerState:
         """The inner optimizer's state plus ``current_loss_scale`` and ``good_steps`` (when dynamic).
 
-        With `state`, keeps what it holds for these params and creates the rest (see `Optimizer.init`).
+        With `state`, keeps what it holds for these params and creates the rest (see `Optimizer.init`);
+        keyword arguments (``fused=``, ``stepped=``) go to the inner optimizer's ``init``.
         """
         kept = {}
         if state is not None and self.dynamic:
             non_slots = dict(state.non_slots)
             kept = {k: non_slots.pop(k) for k in (_SCALE, _GOOD) if k in non_slots}
-            state = OptimizerState(slots=state.slots, non_slots=non_slots)
-        state = self.inner_optimizer.init(params, state)
+            state = state.replace(non_slots=non_slots)
+        state = self.inner_optimizer.init(params, state, **kwargs)
         if not self.dynamic:
             return state
         taken = set(state.non_slots) & {_SCALE, _GOOD}
@@ -171,7 +172,7 @@ class LossScaleOptimizer(Optimizer):
             non_slots[_SCALE] = owning_variable(scale, name=_SCALE, trainable=False, registry=registry)
         if _GOOD not in non_slots:
             non_slots[_GOOD] = int64_counter(_GOOD, registry, placement)  # Keras: int64
-        return OptimizerState(slots=state.slots, non_slots=non_slots)
+        return state.replace(non_slots=non_slots)
 
     def _initial_arrays(self, leaves: list, initial: Callable[..., Any]) -> tuple[dict[str, list], dict[str, Any]]:
         # `to_optax`'s traceable init: the inner optimizer's (by `initial`), then the scale and the counter.
@@ -244,7 +245,7 @@ class LossScaleOptimizer(Optimizer):
         check_non_slots(state, (_SCALE, _GOOD))
         non_slots = dict(state.non_slots)
         scale_var, good_var = non_slots.pop(_SCALE), non_slots.pop(_GOOD)
-        inner_state = OptimizerState(slots=state.slots, non_slots=non_slots)
+        inner_state = state.replace(non_slots=non_slots)
         finite = _all_finite(grads)
 
         new_params, new_inner = jax.lax.cond(
@@ -259,4 +260,4 @@ class LossScaleOptimizer(Optimizer):
         good = jnp.where(finite & ~grow, good + 1, 0).astype(good_var.dtype)
         out = dict(new_inner.non_slots)
         out[_SCALE], out[_GOOD] = scale_var._with_value(scale), good_var._with_value(good)
-        return new_params, OptimizerState(slots=new_inner.slots, non_slots=out)
+        return new_params, new_inner.replace(non_slots=out)

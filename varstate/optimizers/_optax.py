@@ -87,7 +87,12 @@ class _OptaxOptimizer(Optimizer):
                 non_slots[name] = part
         return slots, non_slots
 
-    def init(self, params: Any, state: OptimizerState | None = None) -> OptimizerState:
+    def init(self, params: Any, state: OptimizerState | None = None, *, fused: bool | None = None) -> OptimizerState:
+        if fused:
+            raise TypeError(
+                "from_optax(...).init: fused=True packs the slots of varstate's own optimizers; an optax "
+                "transformation is fused by optax itself: from_optax(optax.flatten(optax.adam(...)))."
+            )
         flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
         p_leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         values = self._values(p_leaves, p_def)

@@ -43,6 +43,7 @@ from varstate.optimizers._matching import (
     _validate_grads,
     _value,
 )
+from varstate.optimizers._packed import PackedSlot, PackedTree
 from varstate.optimizers._slots import StateMismatchError
 from varstate.optimizers._state import OptimizerState
 
@@ -104,18 +105,29 @@ _KEYS: dict = {}
 
 def _new_plan(opt: Any, g_def: Any, grads: Any, params: Any, state: Any, global_step: Any, other: Any,
               use_global: bool) -> _Plan:
-    leaves, sig_def = _flatten((grads, params, state, global_step, other), is_leaf=_is_var)
+    top, sig_def = _flatten((grads, params, state, global_step, other), is_leaf=_is_var_or_packed)
+    leaves = []
+    for x in top:  # a packed slot tree: its layout, then its unpacked slots as leaves of their own
+        if isinstance(x, PackedTree):
+            leaves.append(x)
+            leaves.extend(_flatten(x.loose, is_leaf=_is_var)[0])
+        else:
+            leaves.append(x)
     first: dict[int, int] = {}
     desc = []
     for i, x in enumerate(leaves):
-        if isinstance(x, Variable):
+        if isinstance(x, PackedTree):  # identity-free: each packed slot's place and its primary's position
+            desc.append((PackedTree, x.layout.p_def, tuple(None if m is None else (
+                m.group, m.offset, m.shape, None if m.slot is None else first.get(m.slot._handle.slot_of, -1),
+                None if m.slot is None else m.slot._handle.slot_name) for m in x.layout.marks)))
+        elif isinstance(x, Variable):
             h = x._handle
             first.setdefault(h.resource_id, i)
             desc.append(x)
         else:
             desc.append(None)
     for i, x in enumerate(desc):
-        if x is not None:
+        if isinstance(x, Variable):
             h = x._handle
             primary = None if h.slot_of is None else first.get(h.slot_of, -1)
             desc[i] = (type(x), first[h.resource_id], h.trainable, h.synchronization, h.aggregation, h.slot_name,
@@ -124,6 +136,10 @@ def _new_plan(opt: Any, g_def: Any, grads: Any, params: Any, state: Any, global_
     n_params = len(jax.tree.leaves(params))
     sparse = _sparse_positions(g_def, grads) != ()
     return _Plan(_intern(_Key(opt, sig, hash(sig), None, use_global)), n_params, sparse)
+
+
+def _is_var_or_packed(x: Any) -> bool:
+    return isinstance(x, (Variable, PackedTree))
 
 
 def _check_global_step(global_step: Any) -> None:
@@ -386,7 +402,7 @@ def _target(value: Any, concrete: Any) -> tuple[str, Any] | None:
 
 
 def _pin(x: Any, target: tuple[str, Any] | None, shape: tuple) -> Any:
-    if target is None or x is None:
+    if target is None or x is None or isinstance(x, PackedSlot):  # packed: one device only, nothing to pin
         return x
     value = _value(x)
     if tuple(value.shape) != shape:
@@ -409,13 +425,13 @@ def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: Opti
         targets.append(_target(v, concrete[i] if concrete is not None else None))
         shapes.append(tuple(v.shape))
     if not any(targets):
-        pinned_params, slots = new_params, new_state.slots
+        pinned_params, slots = new_params, new_state._stored
     else:
         pinned_params = p_def.unflatten([
             _pin(x, t, s) for x, t, s in zip(p_def.flatten_up_to(new_params), targets, shapes, strict=True)
         ])
         slots = {}
-        for name, tree in new_state.slots.items():
+        for name, tree in new_state._stored.items():
             try:
                 leaves = p_def.flatten_up_to(tree)
             except (ValueError, TypeError):
@@ -431,4 +447,4 @@ def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: Opti
     non_slots = {
         name: _pin(v, *ns_target[name]) if name in ns_target else v for name, v in new_state.non_slots.items()
     }
-    return pinned_params, OptimizerState(slots=slots, non_slots=non_slots)
+    return pinned_params, OptimizerState(slots, non_slots, new_state.packed)

@@ -1,0 +1,289 @@
+"""Fused slots (`opt.init(params, fused=True)`): the unfused step's numbers, per-variable slots outside.
+
+The reference is the unfused step, itself checked against TF's fixtures and
+closed forms in test_optimizers.py: every fused result must equal it bit for
+bit (the same elementwise kernel, run over a packed buffer).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import checkpoint
+from varstate import IndexedSlices, Variable
+from varstate.mixed_precision import LossScaleOptimizer
+from varstate.optimizers import (
+    Adadelta,
+    Adagrad,
+    AdagradDA,
+    Adam,
+    Ftrl,
+    GradientDescent,
+    Momentum,
+    OptimizerState,
+    ProximalAdagrad,
+    ProximalGradientDescent,
+    RMSProp,
+    from_optax,
+    keras,
+)
+from varstate.optimizers._packed import FUSE_MAX_SIZE
+from varstate.optimizers._step import _jitted_update
+
+OPTIMIZERS = {
+    "gd": lambda: GradientDescent(0.1),
+    "momentum": lambda: Momentum(0.1, 0.9, use_nesterov=True),
+    "adam": lambda: Adam(0.1),
+    "lazy_adam": lambda: Adam(0.1, lazy=True),
+    "adagrad": lambda: Adagrad(0.1),
+    "rmsprop": lambda: RMSProp(0.1, momentum=0.5, centered=True),
+    "adadelta": lambda: Adadelta(1.0, rho=0.9, epsilon=1e-6),
+    "adagrad_da": lambda: AdagradDA(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
+    "ftrl": lambda: Ftrl(0.1, learning_rate_power=-0.6, l1_regularization_strength=0.01,
+                         l2_shrinkage_regularization_strength=0.1),
+    "proximal_adagrad": lambda: ProximalAdagrad(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
+    "proximal_gd": lambda: ProximalGradientDescent(0.1, l1_regularization_strength=0.01,
+                                                   l2_regularization_strength=0.1),
+    "keras_adam": lambda: keras.Adam(0.1, amsgrad=True),
+    "keras_adamw": lambda: keras.AdamW(0.1),
+    "keras_nadam": lambda: keras.Nadam(0.1),
+    "keras_lion": lambda: keras.Lion(0.1),
+    "keras_ftrl": lambda: keras.Ftrl(0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
+    "loss_scale_adam": lambda: LossScaleOptimizer(Adam(0.1), initial_scale=8.0),
+}
+
+
+# XLA compiles the same elementwise kernel for a longer array into other vector code (FMA contraction, its own
+# approximations of pow/sqrt): for these, a few elements of a packed buffer differ from the unpacked one by 1 ulp
+# per step.
+NEAR = {"rmsprop", "keras_lion", "keras_nadam"}
+
+
+def _ulps(a, b):
+    """The largest distance in units in the last place between two float arrays of one dtype."""
+    bits = 8 * a.dtype.itemsize
+    ints = {16: np.int16, 32: np.int32, 64: np.int64}[bits]
+
+    def ordered(x):  # negative floats count down from the sign bit: map them so that integer order is float order
+        v = x.view(ints).astype(np.int64)
+        return np.where(v < 0, -(1 << (bits - 1)) - v, v)
+
+    return int(np.max(np.abs(ordered(a) - ordered(b)))) if a.size else 0
+
+
+def _model(tag):
+    """Small f32 params (one group), two bf16 (another), one too large to pack, a plain array, a frozen one,
+    a tied weight, and a small embedding that gets IndexedSlices."""
+    shared = Variable(jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), name=f"{tag}shared")
+    return {
+        "small": [Variable(jnp.full((3, 2), 0.5 + i), name=f"{tag}s{i}") for i in range(5)],
+        "scalar": Variable(jnp.asarray(0.25), name=f"{tag}scalar"),
+        "half": [Variable(jnp.full((4,), 1.5 + i, jnp.bfloat16), name=f"{tag}h{i}") for i in range(2)],
+        "big": Variable(jnp.ones((FUSE_MAX_SIZE + 1,)) * 0.1, name=f"{tag}big"),
+        "plain": jnp.arange(4.0),
+        "frozen": Variable(jnp.ones(2), name=f"{tag}frozen", trainable=False),
+        "tied_a": shared,
+        "tied_b": shared,
+        "emb": Variable(jnp.arange(24.0).reshape(8, 3) / 10, name=f"{tag}emb"),
+    }
+
+
+def _grads(t, params):
+    def dense(x):
+        return jnp.cos(jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape) + t).astype(x.dtype)
+
+    grads = jax.tree.map(lambda p: dense(p.value if isinstance(p, Variable) else p), params,
+                         is_leaf=lambda x: isinstance(x, Variable))
+    grads["frozen"] = None
+    if t == 1:  # rows with duplicates into a packed param, and a packed param and the big one without a gradient
+        grads["emb"] = IndexedSlices(jnp.ones((3, 3)) * 0.3, jnp.array([1, 6, 1]), (8, 3))
+        grads["small"][2] = None
+        grads["big"] = None
+    return grads
+
+
+def _values(params, state):
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Variable))
+    out = [np.asarray(x.value if isinstance(x, Variable) else x) for x in leaves]
+    for tree in state.slots.values():
+        out += [np.asarray(s.value if isinstance(s, Variable) else s)
+                for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Variable))]
+    return out + [np.asarray(v.value) for v in state.non_slots.values()]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_steps_equal_unfused_bit_for_bit(name):
+    opt = OPTIMIZERS[name]()
+    runs = {}
+    for fused in (False, True):
+        params = _model(f"{fused}/")
+        state = opt.init(params, fused=fused)
+        assert state.fused == (fused and bool(state.get_slot_names()))  # nothing to pack without slots
+        for t in range(4):
+            params, state = opt.apply_gradients(_grads(t, params), params, state, step=jnp.asarray(t))
+        runs[fused] = params, state
+    (p0, s0), (p1, s1) = runs[False], runs[True]
+    assert sorted(s1.packed) == s0.get_slot_names()
+    for n in s1.packed:  # f32 group: 5 x 6 + 1 + 4 (plain) + 6 (tied, once) + 24 (emb); bf16 group: 2 x 4
+        assert [(b.dtype, b.shape) for b in s1.packed[n]] == [(jnp.float32, (65,)), (jnp.bfloat16, (8,))]
+    for a, b in zip(_values(p0, s0), _values(p1, s1), strict=True):
+        assert b.dtype == a.dtype
+        if name in NEAR:  # at most 1 ulp per step, carried over 4 steps
+            assert _ulps(a, b) <= 4, (name, a, b)
+        else:
+            np.testing.assert_array_equal(b, a)
+    assert p1["tied_a"].resource_id == p1["tied_b"].resource_id  # one variable, one slot, at both places
+    np.testing.assert_array_equal(np.asarray(p1["tied_a"].value), np.asarray(p1["tied_b"].value))
+
+
+@pytest.mark.parametrize("name", ["adam", "keras_lion", "loss_scale_adam"])
+def test_fused_step_compiles_once_donates_and_keeps_identities(name):
+    opt = OPTIMIZERS[name]()
+    params = _model("a/")
+    state = opt.init(params, fused=True)
+    grads = _grads(0, params)
+    slot_ids = {n: [s.resource_id for s in jax.tree.leaves(state.slots[n], is_leaf=lambda x: isinstance(x, Variable))
+                    if isinstance(s, Variable)] for n in state.packed}
+    buffers = [b for bs in state.packed.values() for b in bs]
+    params, state = opt.apply_gradients(grads, params, state)
+    assert all(b.is_deleted() for b in buffers)
+    compiled = _jitted_update._cache_size()
+    for _ in range(2):
+        params, state = opt.apply_gradients(grads, params, state)
+    fresh = _model("b/")  # a freshly built identical model reuses the compiled fused step
+    fresh, fresh_state = opt.apply_gradients(_grads(0, fresh), fresh, opt.init(fresh, fused=True))
+    assert _jitted_update._cache_size() == compiled
+    assert fresh_state.get_slot(fresh["small"][0], state.get_slot_names()[0]).name.startswith("b/s0/")
+    for n, ids in slot_ids.items():
+        assert [s.resource_id for s in jax.tree.leaves(state.slots[n], is_leaf=lambda x: isinstance(x, Variable))
+                if isinstance(s, Variable)] == ids
+
+
+def test_update_inside_a_callers_jit_equals_apply_gradients():
+    opt = Adam(0.1)
+    p1, p2 = _model("a/"), _model("b/")
+    s1, s2 = opt.init(p1, fused=True), opt.init(p2, fused=True)
+    p1, s1 = jax.jit(opt.update)(_grads(0, p1), p1, s1)
+    p2, s2 = opt.apply_gradients(_grads(0, p2), p2, s2)
+    assert s1.fused
+    for a, b in zip(_values(p1, s1), _values(p2, s2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_slots_are_per_variable_views_named_and_linked():
+    w = Variable(jnp.ones((2, 2)), name="dense/kernel")
+    b = Variable(jnp.zeros(2), name="dense/bias")
+    state = Momentum(0.1, 0.9).init({"w": w, "b": b}, fused=True)
+    slot = state.get_slot(w, "momentum")
+    assert slot.name == "dense/kernel/momentum" and slot.handle.slot_of == w.resource_id and slot.shape == (2, 2)
+    assert state.slots["momentum"]["b"].name == "dense/bias/momentum"
+    assert state.get_slot(Variable(0.0), "momentum") is None and state.get_slot(w, "m") is None
+    # The layout is the buffer; the tree holds no per-slot arrays (two buffers' worth would defeat packing).
+    assert [x.shape for x in jax.tree.leaves(state)] == [(6,)]
+    assert "packed={'momentum': [(6,)]}" in repr(state)
+    with pytest.raises(AttributeError, match=r"OptimizerState is immutable: use state.replace\(packed=...\)"):
+        state.packed = {}
+
+
+def test_what_is_not_packed_keeps_its_own_slot():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+
+    def on_mesh(x, spec=None):
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec()))
+
+    sharded = Variable(on_mesh(jnp.ones((16, 2)), jax.sharding.PartitionSpec("x", None)), name="sharded")
+    params = {
+        "small": Variable(on_mesh(jnp.ones(3)), name="small"),  # replicated: packed, its buffer replicated too
+        "big": Variable(on_mesh(jnp.ones(FUSE_MAX_SIZE + 1)), name="big"),
+        "sharded": sharded,
+        "count": Variable(on_mesh(jnp.int32(0)), name="count"),  # integer: no gradient, and nothing to pack
+        "frozen": Variable(on_mesh(jnp.ones(3)), name="frozen", trainable=False),
+    }
+    opt = Adagrad(0.1)
+    state = opt.init(params, fused=True)
+    assert [b.shape for b in state.packed["accumulator"]] == [(3,)]
+    assert state.packed["accumulator"][0].sharding.is_fully_replicated
+    stored = state._stored["accumulator"]
+    assert {s.name for s in stored.loose if isinstance(s, Variable)} == {"big/accumulator", "sharded/accumulator",
+                                                                       "count/accumulator"}
+    grads = {"small": on_mesh(jnp.ones(3)), "big": on_mesh(jnp.ones(FUSE_MAX_SIZE + 1)),
+             "sharded": on_mesh(jnp.ones((16, 2))), "count": None, "frozen": None}
+    params, state = opt.apply_gradients(grads, params, state)
+    assert params["sharded"].sharding.is_equivalent_to(sharded.sharding, 2)
+    assert state.get_slot(params["sharded"], "accumulator").sharding.is_equivalent_to(sharded.sharding, 2)
+    assert state.packed["accumulator"][0].sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(state.get_slot(params["small"], "accumulator").value),
+                                  np.full(3, 1.1, np.float32))
+
+
+def test_checkpoints_of_fused_and_unfused_states_are_the_same_and_restore_into_each_other(tmp_path):
+    opt = Adam(0.1)
+    saved = {}
+    for fused in (False, True):
+        params = _model(f"{fused}/")
+        state = opt.init(params, fused=fused)
+        params, state = opt.apply_gradients(_grads(0, params), params, state)
+        path = checkpoint.Checkpoint(model=params, opt=state).write(str(tmp_path / f"fused_{fused}"))
+        reader = checkpoint.read_checkpoint(path)
+        saved[fused] = {k: reader.get(k) for k in reader.keys() if "OBJECT_GRAPH" not in k}
+    assert saved[False].keys() == saved[True].keys()
+    assert any(".OPTIMIZER_SLOT/opt/m/" in k for k in saved[True])
+    for k, v in saved[False].items():
+        np.testing.assert_array_equal(saved[True][k], v, err_msg=k)
+    for fused_from in (False, True):
+        for fused_into in (False, True):
+            params = _model("r/")
+            status = checkpoint.Checkpoint(model=params, opt=opt.init(params, fused=fused_into)).restore(
+                str(tmp_path / f"fused_{fused_from}"))
+            status.assert_consumed()
+            assert status.opt.fused == fused_into
+            params, state = opt.apply_gradients(_grads(1, status.model), status.model, status.opt)
+            ref_params = _model("ref/")
+            ref_state = opt.init(ref_params)
+            for t in range(2):
+                ref_params, ref_state = opt.apply_gradients(_grads(t, ref_params), ref_params, ref_state)
+            for a, b in zip(_values(params, state), _values(ref_params, ref_state), strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_a_fused_state_given_other_params_grows_fused():
+    opt = Adam(0.1)
+    old = _model("old/")
+    state = opt.init(old, fused=True)
+    new = _model("new/")  # a re-created model: apply_gradients creates its slots, in the state's layout
+    new, state = opt.apply_gradients(_grads(0, new), new, state)
+    assert state.fused and state.get_slot(new["small"][0], "m").name == "new/s0/m"
+    ref = _model("ref/")
+    ref, _ = opt.apply_gradients(_grads(0, ref), ref, opt.init(ref))
+    np.testing.assert_array_equal(np.asarray(new["small"][0].value), np.asarray(ref["small"][0].value))
+
+
+def test_replace_packs_given_slots_and_names_what_does_not_fit():
+    w = Variable(jnp.zeros(2), name="w")
+    opt = Momentum(0.1, 0.9)
+    state = opt.init([w], fused=True)
+    assert state.replace(non_slots={}).packed is state.packed
+    new = state.replace(slots={"momentum": [state.get_slot(w, "momentum").assign(jnp.array([1.0, 2.0]))]})
+    assert new.fused and new.packed["momentum"][0].tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match=r"OptimizerState.replace: slots has no 'momentum', which this fused state "
+                                         r"packs; give every packed slot name \(\['momentum'\]\)"):
+        state.replace(slots={"m": [None]})
+    with pytest.raises(ValueError, match=r"OptimizerState.replace: slots\['momentum'\] does not have the structure "
+                                         r"of the params"):
+        state.replace(slots={"momentum": {"w": None}})
+    with pytest.raises(ValueError, match=r"the 'momentum' slot at PackedSlot\('w/momentum', group=0, offset=0, "
+                                         r"shape=\(2,\)\) must be an array of shape \(2,\), got ArrayImpl \(3,\)"):
+        state.replace(slots={"momentum": [jnp.zeros(3)]})
+
+
+def test_from_optax_refuses_fused_and_names_optax_flatten():
+    with pytest.raises(TypeError, match=r"an optax transformation is fused by optax itself: "
+                                        r"from_optax\(optax.flatten\(optax.adam\(...\)\)\)"):
+        from_optax(optax.adam(0.1)).init([jnp.zeros(2)], fused=True)
+
+
+def test_optimizer_state_is_still_built_per_variable_by_hand():
+    state = OptimizerState(slots={"m": [None]}, non_slots={})
+    assert not state.fused and state.slots == {"m": [None]} and state.packed == {}
