@@ -6,6 +6,14 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA compilation is about 60% of the suite's CPU time: keep the compiled programs (keyed by program, jax version
+# and flags, so a hit is the very executable a compile would give) for the workers, the example subprocesses and
+# later runs. Measured on 2 cores: 283 s without, 245 s the first run, 115 s once warm.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 
