@@ -2,7 +2,9 @@
 
 Run by hand: ``.venv/bin/python benchmarks/optimizers.py`` (several minutes on 2 CPU cores, most of it
 compiling steps over 1,000 tensors). Setups: Adam on 1,000 x 16x4 and 200 x 256x64, params as a list and as a
-dict, gradients fresh from ``jnp.full`` and made by a jitted function. Times are the minimum over repeats of the
+dict, gradients fresh from ``jnp.full`` and made by a jitted function, each unfused and fused
+(``init(params, fused=True)``), then fused against unfused over one total size split into params of several
+sizes (where packing pays, which sets `FUSE_MAX_SIZE`). Times are the minimum over repeats of the
 mean step time of a burst of steps (the machine is noisy; CPU time is the steadier figure); a ratio < 1 means
 varstate is faster. Also: the first step of a freshly built model identical to one already stepped (the compiled
 step is reused) against a jit over Variables, which traces and compiles again; the compiled peak memory of one

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import checkpoint
-from varstate import IndexedSlices, Variable
+from varstate import IndexedSlices, PartitionedVariable, Variable
 from varstate.mixed_precision import LossScaleOptimizer
 from varstate.optimizers import (
     Adadelta,
@@ -287,3 +287,26 @@ def test_from_optax_refuses_fused_and_names_optax_flatten():
 def test_optimizer_state_is_still_built_per_variable_by_hand():
     state = OptimizerState(slots={"m": [None]}, non_slots={})
     assert not state.fused and state.slots == {"m": [None]} and state.packed == {}
+
+
+def test_partitioned_variables_shards_pack_and_save_as_unfused(tmp_path):
+    def model():
+        return {"emb": list(PartitionedVariable(jnp.arange(12.0).reshape(6, 2), name="emb", num_shards=2)),
+                "w": Variable(jnp.ones(3), name="w")}
+
+    opt = Adam(0.1)
+    saved = {}
+    for fused in (False, True):
+        params = model()
+        state = opt.init(params, fused=fused)
+        grads = {"emb": [jnp.ones((3, 2)), jnp.full((3, 2), 2.0)], "w": jnp.ones(3)}
+        params, state = opt.apply_gradients(grads, params, state)
+        path = checkpoint.Checkpoint(model=params, opt=state).write(str(tmp_path / f"fused_{fused}"))
+        reader = checkpoint.read_checkpoint(path)
+        saved[fused] = {k: np.asarray(reader.get(k)) for k in reader.keys() if "OBJECT_GRAPH" not in k}
+        fresh = model()
+        checkpoint.Checkpoint(model=fresh, opt=opt.init(fresh, fused=fused)).restore(path).assert_consumed()
+    assert saved[True].keys() == saved[False].keys()
+    assert "model/emb/1/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE" in saved[True]
+    for k, v in saved[False].items():
+        np.testing.assert_array_equal(saved[True][k], v, err_msg=k)
