@@ -158,10 +158,12 @@ class Optimizer:
         matched. Default: every trainable param.
 
         `fused=True` packs the slots of small params (up to 4,096 elements,
-        trainable, on one device) into one buffer per dtype and device, and
-        each step updates a buffer with one computation: for many small
-        tensors that is several times faster (``benchmarks/optimizers.py``),
-        with the same numbers as the unfused step. Everything else still sees
+        trainable, on one device or replicated) into one buffer per dtype and
+        sharding, and each step updates a buffer with one computation: for
+        many small tensors that is several times faster
+        (``benchmarks/optimizers.py``), with the same numbers as the unfused
+        step (bit for bit, or within 1 ulp per step for RMSProp, Lion and
+        Nadam). Everything else still sees
         per-variable slots (``state.slots``, `get_slot`, checkpoint keys,
         restore). Default: the given state's layout, else unfused.
 

@@ -17,7 +17,7 @@ class OptimizerState:
                slot Variable of the param at the same position, or None where
                the param has no slot (None gradient never seen, non-trainable).
     non_slots: {name: Variable}, e.g. Adam's ``beta1_power`` (scalars).
-    packed:    {slot name: tuple of 1-D buffers}, one per (dtype, device),
+    packed:    {slot name: tuple of 1-D buffers}, one per (dtype, sharding),
                when the state is fused (``opt.init(params, fused=True)``);
                else empty. A fused state keeps the slots of many small
                params in these buffers and updates each buffer with one

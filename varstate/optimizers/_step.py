@@ -432,12 +432,20 @@ def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: Opti
         ])
         slots = {}
         for name, tree in new_state._stored.items():
-            try:
-                leaves = p_def.flatten_up_to(tree)
-            except (ValueError, TypeError):
-                slots[name] = tree  # not laid out like params (another optimizer's): left as it is
-                continue
-            slots[name] = p_def.unflatten([_pin(x, t, s) for x, t, s in zip(leaves, targets, shapes, strict=True)])
+            if isinstance(tree, PackedTree):  # its unpacked slots (large, sharded params) are pinned as any
+                if tree.layout.p_def != p_def:
+                    slots[name] = tree
+                    continue
+                leaves = tree.leaves()
+            else:
+                try:
+                    leaves = p_def.flatten_up_to(tree)
+                except (ValueError, TypeError):
+                    slots[name] = tree  # not laid out like params (another optimizer's): left as it is
+                    continue
+            pinned = [_pin(x, t, s) for x, t, s in zip(leaves, targets, shapes, strict=True)]
+            slots[name] = (PackedTree.build(p_def, pinned, tree.layout) if isinstance(tree, PackedTree)
+                           else p_def.unflatten(pinned))
     given = list(state.non_slots.values())
     ns_concrete = placement.non_slots if placement is not None and len(placement.non_slots) == len(given) else None
     ns_target = {
