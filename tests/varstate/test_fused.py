@@ -218,6 +218,19 @@ def test_what_is_not_packed_keeps_its_own_slot():
                                   np.full(3, 1.1, np.float32))
 
 
+def test_buffers_are_placed_as_the_unfused_slots_and_replace_keeps_the_placement():
+    for value in (jax.device_put(jnp.ones(3), jax.devices()[3]), jnp.ones(3)):
+        params = {"a": Variable(value, name="a")}
+        slot = Adam(0.1).init(params).get_slot(params["a"], "m").value
+        state = Adam(0.1).init(params, fused=True)
+        for buffer in state.packed["m"] + state.packed["v"]:
+            assert (buffer.devices(), buffer.committed) == (slot.devices(), slot.committed)
+        twos = {"a": jnp.full(3, 2.0)}  # uncommitted, on the default device: packed where the buffer is
+        replaced = state.replace(slots={"m": twos, "v": twos}).packed["m"][0]
+        assert (replaced.devices(), replaced.committed) == (slot.devices(), slot.committed)
+        np.testing.assert_array_equal(np.asarray(replaced), np.full(3, 2.0, np.float32))
+
+
 def test_checkpoints_of_fused_and_unfused_states_are_the_same_and_restore_into_each_other(tmp_path):
     opt = Adam(0.1)
     saved = {}

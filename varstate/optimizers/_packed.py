@@ -155,16 +155,30 @@ def pack(slots: dict[str, Any], names: list[str], p_leaves: list, p_def: Any, ow
             for i in members:
                 s = leaves[i]
                 value = s._value if isinstance(s, Variable) else s
-                parts.append(value.reshape(-1))
+                parts.append(value)
                 leaves[i] = PackedSlot(g, offset, value.shape, s._with_value(_spec(value)) if isinstance(s, Variable)
                                        else None)
                 offset += value.size
-            buffers.append(jnp.concatenate(parts))  # where its members are (committed only if they are)
+            buffers.append(_concat(parts, parts[0]))
         for j, i in enumerate(owners):
             if i != j and isinstance(leaves[i], PackedSlot):
                 leaves[j] = leaves[i]  # a tied weight's one slot, at every place
         stored[n], packed[n] = PackedTree.build(p_def, leaves), tuple(buffers)
     return stored, packed
+
+
+def _concat(parts: list, like: jax.Array) -> jax.Array:
+    """`parts` raveled into one buffer, placed as `like` is (committed only if it is).
+
+    Joined on the host when the parts are addressable: an eager `jnp.concatenate`
+    compiles a kernel per layout, 2.6 s for 1,000 operands on CPU, where
+    copying the bytes takes a millisecond.
+    """
+    if any(isinstance(p, jax.core.Tracer) or not p.is_fully_addressable for p in [*parts, like]):
+        joined = jnp.concatenate([p.reshape(-1) for p in parts])
+        return joined if isinstance(like, jax.core.Tracer) else jax.device_put(joined, like.sharding)
+    host = np.concatenate([np.asarray(p).reshape(-1) for p in parts])
+    return jax.device_put(host, like.sharding) if like.committed else jnp.asarray(host)
 
 
 def _spec(value: Any) -> jax.ShapeDtypeStruct:
@@ -204,11 +218,11 @@ def repack(stored: dict[str, Any], packed: dict[str, tuple], slots: dict[str, An
                         f"OptimizerState.replace: the {n!r} slot at {mark!r} must be an array of shape {mark.shape}, "
                         f"got {type(value).__name__} {getattr(value, 'shape', '')}."
                     )
-                parts[mark.group][mark.offset] = value.reshape(-1).astype(buffers[mark.group].dtype)
+                parts[mark.group][mark.offset] = value.astype(buffers[mark.group].dtype)
         new = []
         for g, b in enumerate(buffers):
             pieces = [parts[g][k] for k in sorted(parts[g])]
-            new.append(jnp.concatenate(pieces) if pieces else b)
+            new.append(_concat(pieces, b) if pieces else b)
         out_stored[n] = PackedTree.build(p_def, [m if isinstance(m, PackedSlot) else s
                                                  for m, s in zip(marks, given, strict=True)], tree.layout)
         out_packed[n] = tuple(new)
