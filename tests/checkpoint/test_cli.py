@@ -16,6 +16,8 @@ import pytest
 from google.protobuf import text_format
 
 import checkpoint._cli as cli
+import checkpoint._cli_inspect as cli_inspect
+import checkpoint._cli_out as cli_out
 from checkpoint import read_checkpoint
 from checkpoint._storage import write_bundle
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
@@ -299,7 +301,7 @@ def test_diff_error_is_exit_2(capsys, tmp_path):
 
 # --- terminal output (rich) and the entry point -------------------------------------
 def test_rich_output_when_stdout_is_a_terminal(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "_is_terminal", lambda: True)
+    monkeypatch.setattr(cli_out, "is_terminal", lambda: True)
     code, out, _ = run(capsys, "inspect", NAME_BASED)
     assert code == 0 and "┃ name" in out and "bert/embeddings/word_embeddings" in out
     assert f"{len(EXPECTED)} values" in out
@@ -349,13 +351,13 @@ def test_convert_object_based_keeps_graph_and_values_both_ways(capsys, tmp_path)
 
 
 def test_convert_name_based_to_orbax_reassembles_slices(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_is_terminal", lambda: True)  # with the progress bar
+    monkeypatch.setattr(cli_out, "is_terminal", lambda: True)  # with the progress bar
     record = TF_EXPECTED["tf_name"]
     dst = str(tmp_path / "orbax")
     code, out, _ = run(capsys, "convert", os.path.join(TF_DIR, "tf_name"), dst, "--to", "orbax")
     assert code == 0 and "verified by reading it back" in out
     back = read_checkpoint(dst)
-    assert cli._graph(back) is None and sorted(back.keys()) == sorted(record["tensors"])
+    assert cli_out.object_graph(back) is None and sorted(back.keys()) == sorted(record["tensors"])
     for key, rec in record["tensors"].items():
         assert back.get(key).tobytes().hex() == rec["hex"], key
 
@@ -368,7 +370,7 @@ def test_convert_strings_to_orbax_is_refused(capsys, tmp_path):
 
 
 def test_rich_tree_for_an_object_graph(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_is_terminal", lambda: True)
+    monkeypatch.setattr(cli_out, "is_terminal", lambda: True)
     code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "ours_checkpoint"))
     assert code == 0
     assert "├── model" in out and "slot 'm' of model/kernel" in out
@@ -446,7 +448,7 @@ def _evil_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_control_characters_in_names_are_escaped_in_every_output_mode(capsys, monkeypatch, tmp_path, terminal):
-    monkeypatch.setattr(cli, "_is_terminal", lambda: terminal)
+    monkeypatch.setattr(cli_out, "is_terminal", lambda: terminal)
     flat, tree = _evil_checkpoints(tmp_path)
     other = str(tmp_path / "other")
     write_bundle(other, {v: np.full(2, i + 9 * (k == "osc"), np.float32) for i, (k, v) in enumerate(EVIL.items())})
@@ -496,7 +498,7 @@ def _deep_checkpoint(tmp_path, depth=3000):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_a_3000_level_object_graph_prints(capsys, monkeypatch, tmp_path, terminal):
-    monkeypatch.setattr(cli, "_is_terminal", lambda: terminal)
+    monkeypatch.setattr(cli_out, "is_terminal", lambda: terminal)
     prefix, key = _deep_checkpoint(tmp_path)
     assert sys.getrecursionlimit() < 3000  # a recursive walk would fail
     code, out, err = run(capsys, "inspect", prefix)
@@ -517,7 +519,7 @@ def test_a_recursion_error_anywhere_is_one_line(capsys, monkeypatch):
     def too_deep(*args):
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(cli, "_tree_rows", too_deep)
+    monkeypatch.setattr(cli_inspect, "_tree_rows", too_deep)
     code, _, err = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"))
     assert_one_line_error(code, err, r".*tf_object: its object graph nests too deeply for this command")
 
@@ -538,7 +540,7 @@ def test_inspect_json_lists_what_tf_wrote(capsys):
     assert data["bytes"] == sum(k["bytes"] for k in keys.values())
     # The object rows are the text tree's lines: same order, same labels.
     _, text, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"))
-    assert [cli._row_label(r) for r in data["objects"]] == [ln.strip() for ln in text.splitlines()[1:-1]]
+    assert [cli_inspect._row_label(r) for r in data["objects"]] == [ln.strip() for ln in text.splitlines()[1:-1]]
     reached = {v["key"] for r in data["objects"] for v in r.get("values", [])}
     assert reached == set(record["tensors"])
 
