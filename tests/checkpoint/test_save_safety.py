@@ -16,7 +16,7 @@ import pytest
 
 import checkpoint
 import varstate
-from checkpoint import _manager, _publish
+from checkpoint import _journal, _manager, _publish
 
 # One worker for the whole module under `--dist loadgroup`: its module-scoped fixture then runs once.
 pytestmark = pytest.mark.xdist_group("save_safety")
@@ -407,7 +407,7 @@ def test_a_checkpoint_moved_in_but_never_recorded_is_an_orphan_the_next_save_del
 def test_a_save_killed_after_recording_its_checkpoint_committed_with_its_metrics(tmp_path, monkeypatch):
     directory = str(tmp_path)
     calls = []
-    real_store = _manager._Journal.store
+    real_store = _journal.Journal.store
 
     def store(self):
         calls.append(dict(self.saving))
@@ -415,7 +415,7 @@ def test_a_save_killed_after_recording_its_checkpoint_committed_with_its_metrics
             raise OSError(errno.EIO, "Input/output error")
         real_store(self)
 
-    monkeypatch.setattr(_manager._Journal, "store", store)
+    monkeypatch.setattr(_journal.Journal, "store", store)
     with pytest.raises(OSError, match="Input/output error"):
         checkpoint.CheckpointManager(directory, max_to_keep=1, best_fn=lambda m: -m["loss"]).save(
             1, metrics={"loss": 0.25}, m=model(1))
