@@ -5,6 +5,9 @@ closed forms in test_optimizers.py: every fused result must equal it bit for
 bit (the same elementwise kernel, run over a packed buffer).
 """
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,46 +16,22 @@ import pytest
 
 import checkpoint
 from varstate import IndexedSlices, PartitionedVariable, Variable
-from varstate.mixed_precision import LossScaleOptimizer
 from varstate.optimizers import (
-    Adadelta,
     Adagrad,
-    AdagradDA,
     Adam,
-    Ftrl,
-    GradientDescent,
     Momentum,
     OptimizerState,
-    ProximalAdagrad,
-    ProximalGradientDescent,
-    RMSProp,
     from_optax,
-    keras,
 )
 from varstate.optimizers._packed import FUSE_MAX_SIZE
 from varstate.optimizers._step import _jitted_update
 
-OPTIMIZERS = {
-    "gd": lambda: GradientDescent(0.1),
-    "momentum": lambda: Momentum(0.1, 0.9, use_nesterov=True),
-    "adam": lambda: Adam(0.1),
-    "lazy_adam": lambda: Adam(0.1, lazy=True),
-    "adagrad": lambda: Adagrad(0.1),
-    "rmsprop": lambda: RMSProp(0.1, momentum=0.5, centered=True),
-    "adadelta": lambda: Adadelta(1.0, rho=0.9, epsilon=1e-6),
-    "adagrad_da": lambda: AdagradDA(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
-    "ftrl": lambda: Ftrl(0.1, learning_rate_power=-0.6, l1_regularization_strength=0.01,
-                         l2_shrinkage_regularization_strength=0.1),
-    "proximal_adagrad": lambda: ProximalAdagrad(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
-    "proximal_gd": lambda: ProximalGradientDescent(0.1, l1_regularization_strength=0.01,
-                                                   l2_regularization_strength=0.1),
-    "keras_adam": lambda: keras.Adam(0.1, amsgrad=True),
-    "keras_adamw": lambda: keras.AdamW(0.1),
-    "keras_nadam": lambda: keras.Nadam(0.1),
-    "keras_lion": lambda: keras.Lion(0.1),
-    "keras_ftrl": lambda: keras.Ftrl(0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
-    "loss_scale_adam": lambda: LossScaleOptimizer(Adam(0.1), initial_scale=8.0),
-}
+sys.path.insert(0, os.path.dirname(__file__))
+from optimizer_cases import pick
+
+OPTIMIZERS = pick("gd", "momentum", "adam", "lazy_adam", "adagrad", "rmsprop", "adadelta", "adagrad_da", "ftrl",
+                  "proximal_adagrad", "proximal_gd", "keras_adam", "keras_adamw", "keras_nadam", "keras_lion",
+                  "keras_ftrl", "loss_scale_adam")
 
 
 # XLA compiles the same elementwise kernel for a longer array into other vector code (FMA contraction, its own

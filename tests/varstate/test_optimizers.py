@@ -2,6 +2,7 @@
 
 import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,21 +14,18 @@ import checkpoint
 import varstate
 from varstate import IndexedSlices, Variable
 from varstate.optimizers import (
-    Adadelta,
     Adagrad,
-    AdagradDA,
     Adam,
-    Ftrl,
     GradientDescent,
     Momentum,
     Optimizer,
-    ProximalAdagrad,
-    ProximalGradientDescent,
     RMSProp,
     from_optax,
-    keras,
 )
 from varstate.optimizers._step import _jitted_update
+
+sys.path.insert(0, os.path.dirname(__file__))
+from optimizer_cases import CASES
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # tests/data
 FIXTURES = np.load(os.path.join(DATA, "tf_optimizer_fixtures.npz"))
@@ -219,41 +217,7 @@ def emb_after_one_step():
 
 
 # --- conformance over every optimizer -----------------------------------------------------------
-class _AdagradDAAtStepZero(AdagradDA):
-    """AdagradDA for the step-less conformance checks: the global step is 0 unless given."""
-
-    def hyperparameters(self, step=None):
-        return super().hyperparameters(0 if step is None else step)
-
-
-ALL = {
-    "gd": lambda: GradientDescent(0.1),
-    "momentum": lambda: Momentum(0.1, 0.9, use_nesterov=True),
-    "adam": lambda: Adam(0.1),
-    "lazy_adam": lambda: Adam(0.1, lazy=True),
-    "adagrad": lambda: Adagrad(0.1),
-    "rmsprop": lambda: RMSProp(0.1, momentum=0.5, centered=True),
-    "optax_adam": lambda: from_optax(optax.adam(0.1)),
-    "adadelta": lambda: Adadelta(1.0, rho=0.9, epsilon=1e-6),
-    "adagrad_da": lambda: _AdagradDAAtStepZero(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
-    "ftrl": lambda: Ftrl(0.1, learning_rate_power=-0.6, l1_regularization_strength=0.01,
-                         l2_shrinkage_regularization_strength=0.1),
-    "proximal_adagrad": lambda: ProximalAdagrad(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1),
-    "proximal_gd": lambda: ProximalGradientDescent(0.1, l1_regularization_strength=0.01,
-                                                   l2_regularization_strength=0.1),
-    # Keras 3's optimizers (varstate.optimizers.keras), with Keras's numerics and state.
-    "keras_sgd": lambda: keras.SGD(0.1, momentum=0.9, nesterov=True),
-    "keras_adam": lambda: keras.Adam(0.1, amsgrad=True),
-    "keras_adamw": lambda: keras.AdamW(0.1),
-    "keras_rmsprop": lambda: keras.RMSprop(0.1, momentum=0.5, centered=True),
-    "keras_adagrad": lambda: keras.Adagrad(0.1),
-    "keras_adadelta": lambda: keras.Adadelta(1.0),
-    "keras_adamax": lambda: keras.Adamax(0.1),
-    "keras_nadam": lambda: keras.Nadam(0.1),
-    "keras_lion": lambda: keras.Lion(0.1),
-    "keras_ftrl": lambda: keras.Ftrl(0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
-    "keras_schedule": lambda: keras.Adam(lambda it: 0.1 / (1.0 + it.astype(jnp.float32))),
-}
+ALL = {n: make for n, make in CASES.items() if n != "loss_scale_adam"}  # LossScaleOptimizer: test_loss_scale.py
 
 
 def _slot_vars(state):
