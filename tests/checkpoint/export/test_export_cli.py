@@ -16,6 +16,7 @@ import pytest
 
 import checkpoint
 import checkpoint._cli as cli
+import checkpoint._cli_out as cli_out
 import varstate
 from checkpoint._export import _format
 from checkpoint.protos import saved_object_graph_pb2 as pb
@@ -105,7 +106,7 @@ def test_inspect_export_text(capsys, exported):
 
 
 def test_inspect_export_rich_tree(capsys, monkeypatch, exported):
-    monkeypatch.setattr(cli, "_is_terminal", lambda: True)
+    monkeypatch.setattr(cli_out, "is_terminal", lambda: True)
     code, out, _ = run(capsys, "inspect", exported)
     assert code == 0 and "├── dense  dict" in out and "signature serve: " in out
 
