@@ -321,8 +321,7 @@ class Optimizer:
         non_slots = self._finish(h, non_slots)
         state = OptimizerState(
             # Slots of another optimizer's (kept by init(params, state)) pass through untouched.
-            {**state._stored, **{n: _packed.PackedTree.build(p_def, new_slots[n], state._stored[n].layout)
-                                 if n in state.packed else p_def.unflatten(new_slots[n]) for n in slot_names}},
+            {**state._stored, **{n: _packed.rebuild(p_def, new_slots[n], state._stored[n]) for n in slot_names}},
             {k: v._with_value(non_slots[k]) for k, v in state.non_slots.items()},
             {**state.packed, **packed},
         )

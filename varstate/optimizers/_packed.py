@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
+from varstate._jax_compat import Tracer
 from varstate._variable import Variable
+from varstate.optimizers._matching import _value
 
 # Largest param (in elements) whose slots are packed. Above it a tensor's own kernels are already long enough
 # that launch overhead is small, and packing would add a copy of its gradient and value per step
@@ -115,6 +117,11 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def rebuild(p_def: Any, leaves: list, like: Any) -> Any:
+    """A slot tree of `leaves` (in params' order) built as `like` is: a `PackedTree` keeps its layout."""
+    return PackedTree.build(p_def, leaves, like.layout) if isinstance(like, PackedTree) else p_def.unflatten(leaves)
+
+
 def is_slot_leaf(x: Any) -> bool:
     return x is None or isinstance(x, (Variable, PackedSlot))
 
@@ -123,7 +130,7 @@ def _group_key(p: Any) -> tuple | None:
     """(dtype, sharding) of a param whose slots can be packed, else None (too large, sharded, not trainable)."""
     if isinstance(p, Variable) and not p.trainable:
         return None
-    value = p._value if isinstance(p, Variable) else p
+    value = _value(p)
     if not isinstance(value, jax.Array) or value.size > FUSE_MAX_SIZE or value.size == 0:
         return None
     if not jnp.issubdtype(value.dtype, jnp.inexact):
@@ -154,7 +161,7 @@ def pack(slots: dict[str, Any], names: list[str], p_leaves: list, p_def: Any, ow
             offset, parts = 0, []
             for i in members:
                 s = leaves[i]
-                value = s._value if isinstance(s, Variable) else s
+                value = _value(s)
                 parts.append(value)
                 leaves[i] = PackedSlot(g, offset, value.shape, s._with_value(_spec(value)) if isinstance(s, Variable)
                                        else None)
@@ -174,9 +181,9 @@ def _concat(parts: list, like: jax.Array) -> jax.Array:
     compiles a kernel per layout, 2.6 s for 1,000 operands on CPU, where
     copying the bytes takes a millisecond.
     """
-    if any(isinstance(p, jax.core.Tracer) or not p.is_fully_addressable for p in [*parts, like]):
+    if any(isinstance(p, Tracer) or not p.is_fully_addressable for p in [*parts, like]):
         joined = jnp.concatenate([p.reshape(-1) for p in parts])
-        return joined if isinstance(like, jax.core.Tracer) else jax.device_put(joined, like.sharding)
+        return joined if isinstance(like, Tracer) else jax.device_put(joined, like.sharding)
     host = np.concatenate([np.asarray(p).reshape(-1) for p in parts])
     return jax.device_put(host, like.sharding) if like.committed else jnp.asarray(host)
 
@@ -212,7 +219,7 @@ def repack(stored: dict[str, Any], packed: dict[str, tuple], slots: dict[str, An
         parts: list[dict[int, Any]] = [{} for _ in buffers]
         for mark, s in zip(marks, given, strict=True):
             if isinstance(mark, PackedSlot):
-                value = s._value if isinstance(s, Variable) else s
+                value = _value(s)
                 if not isinstance(value, jax.Array) or tuple(value.shape) != mark.shape:
                     raise ValueError(
                         f"OptimizerState.replace: the {n!r} slot at {mark!r} must be an array of shape {mark.shape}, "
@@ -253,7 +260,7 @@ def fused_step(opt: Any, h: dict, work: dict, p_leaves: list, marks: list, owner
         grads, values = [], []
         for i, m in group:
             p = p_leaves[i]
-            values.append((p._value if isinstance(p, Variable) else p).reshape(-1))
+            values.append(_value(p).reshape(-1))
             g_i = work.get(i)
             dense = g_i is not None and not isinstance(g_i, IndexedSlices)
             grads.append(jnp.asarray(g_i, dtype).reshape(-1) if dense else jnp.zeros(m.size, dtype))

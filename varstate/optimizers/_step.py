@@ -43,7 +43,7 @@ from varstate.optimizers._matching import (
     _validate_grads,
     _value,
 )
-from varstate.optimizers._packed import PackedSlot, PackedTree
+from varstate.optimizers._packed import PackedSlot, PackedTree, rebuild
 from varstate.optimizers._slots import StateMismatchError
 from varstate.optimizers._state import OptimizerState
 
@@ -444,8 +444,7 @@ def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: Opti
                     slots[name] = tree  # not laid out like params (another optimizer's): left as it is
                     continue
             pinned = [_pin(x, t, s) for x, t, s in zip(leaves, targets, shapes, strict=True)]
-            slots[name] = (PackedTree.build(p_def, pinned, tree.layout) if isinstance(tree, PackedTree)
-                           else p_def.unflatten(pinned))
+            slots[name] = rebuild(p_def, pinned, tree)
     given = list(state.non_slots.values())
     ns_concrete = placement.non_slots if placement is not None and len(placement.non_slots) == len(given) else None
     ns_target = {
