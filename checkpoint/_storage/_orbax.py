@@ -2,7 +2,7 @@
 
 A checkpoint is an orbax composite directory:
   values/  an orbax PyTree: "p0", "p1", ... (uint8; the values under
-           `_PACK_LIMIT` bytes, back to back, up to `_PACK_BYTES` a pack, so
+           `PACK_LIMIT` bytes, back to back, up to `PACK_BYTES` a pack, so
            restoring one value reads one pack) and "a0", "a1", ... (each large
            value as its own array, sharded as it was)
   meta/    JSON: format version, the serialized TrackableObjectGraph, and per
@@ -36,7 +36,6 @@ from google.protobuf.message import DecodeError
 
 from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError, DataLossError
-from checkpoint._storage import _orbax_layout
 from checkpoint._storage._crc import crc32c
 from checkpoint._storage._files import read_regular, within
 from checkpoint._storage._orbax_layout import (
@@ -46,6 +45,7 @@ from checkpoint._storage._orbax_layout import (
     box_of,
     canonical,
     checkpointer,
+    layout,
     on_every_host,
     save_args,
     seal,
@@ -66,21 +66,9 @@ from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 __all__ = ["FORMAT", "META_FILE", "VERSION", "OrbaxReader", "checkpointer", "crc32c", "is_temporary", "layout",
            "save_args", "seal"]
 
-_PACK_LIMIT = _orbax_layout.PACK_LIMIT
-_PACK_BYTES = _orbax_layout.PACK_BYTES  # read by `layout` when it runs (a test makes packs small)
-_canonical = canonical  # the bytes `seal` checksums (tests recompute it)
 _META_LIMIT = 256 << 20  # bytes of meta/metadata; a million keys take about 200 MB
 _OPEN_BATCH = 256  # arrays opened ahead of the reads
 _READ_AHEAD = 64 << 20  # bytes of values being read while the ones before are checked and placed
-
-
-def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, packed: bool = True) -> tuple[dict, dict]:
-    """{key: array | Python scalar | [(SaveSliceInfo, array), ...]} -> (orbax tree, JSON metadata).
-
-    See `_orbax_layout.layout`; ``packed=False`` stores every value as its
-    own orbax array, named by its checkpoint key.
-    """
-    return _orbax_layout.layout(values, object_graph, packed, pack_bytes=_PACK_BYTES)
 
 
 class OrbaxReader:

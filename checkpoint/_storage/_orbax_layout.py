@@ -45,7 +45,7 @@ def _dtype_name(dtype: np.dtype) -> str:
 class _Layout:
     """Collects values into the orbax tree and the JSON entries."""
 
-    def __init__(self, packed: bool = True, pack_bytes: int = PACK_BYTES) -> None:
+    def __init__(self, packed: bool, pack_bytes: int) -> None:
         self.packed = packed
         self.pack_bytes = pack_bytes
         self.small: list[tuple[dict, Any]] = []
@@ -201,7 +201,7 @@ def _shard_checksums(entries: list[dict], large: dict[str, Any]) -> None:
 
 
 def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, packed: bool = True,
-           pack_bytes: int = PACK_BYTES) -> tuple[dict, dict]:
+           pack_bytes: int | None = None) -> tuple[dict, dict]:
     """{key: array | Python scalar | [(SaveSliceInfo, array), ...]} -> (orbax tree, JSON metadata).
 
     ``packed=False``: every value is its own orbax array named by its
@@ -209,7 +209,7 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, packed: b
     value too, as a numpy scalar), so that plain orbax restores the values
     item into {checkpoint key: array}.
     """
-    lay = _Layout(packed, pack_bytes)
+    lay = _Layout(packed, PACK_BYTES if pack_bytes is None else pack_bytes)  # read now: a test makes packs small
     for key, value in values.items():
         if isinstance(value, (bool, int, float, str)) and not isinstance(value, np.generic):  # np.float64: array
             base = _dtypes.python_type(value)  # an IntEnum is an int

@@ -20,7 +20,7 @@ import pytest
 import checkpoint
 import varstate
 from checkpoint import _graph, _keys, _storage
-from checkpoint._storage import _orbax
+from checkpoint._storage import _orbax, _orbax_layout
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 from varstate.optimizers import Adam, Momentum
 
@@ -598,7 +598,7 @@ def test_autocast_variables_checkpoint_as_their_float32_variable(tmp_path):
 
 
 def test_small_values_fill_several_packs_and_one_value_reads_one_pack(tmp_path, monkeypatch):
-    monkeypatch.setattr(_orbax, "_PACK_BYTES", 1000)
+    monkeypatch.setattr(_orbax_layout, "PACK_BYTES", 1000)
     tree = {f"v{i}": jnp.full(100, float(i)) for i in range(7)}  # 400 bytes each
     path = checkpoint.Checkpoint(**tree).write(str(tmp_path / "c"))
     reader = _orbax.OrbaxReader(path)

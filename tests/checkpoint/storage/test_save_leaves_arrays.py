@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import checkpoint
-from checkpoint._storage import _orbax
+from checkpoint._storage import _orbax, _orbax_layout
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 
@@ -17,7 +17,7 @@ def _arrays():
         "small_bf16": np.arange(4).astype(ml_dtypes.bfloat16),
         "big": np.linspace(0, 1, big, dtype=np.float32),
         "big_f64": np.arange(big, dtype=np.float64),
-        "big_u4": (np.arange(2 * _orbax._PACK_LIMIT) % 16).astype(ml_dtypes.uint4),  # widened for tensorstore
+        "big_u4": (np.arange(2 * _orbax_layout.PACK_LIMIT) % 16).astype(ml_dtypes.uint4),  # widened for tensorstore
         "strided": np.arange(40, dtype=np.float32)[::2],  # not contiguous: copied for its bytes
         "fortran": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
     }
@@ -44,7 +44,7 @@ def test_layout_neither_copies_nor_locks_large_values_it_only_reads():
     for name, array in arrays.items():
         assert array.flags.writeable, name
     assert any(v is arrays["big"] for v in tree.values())  # handed to orbax as it is: no copy of large values
-    assert meta["crc32c"] == _orbax.crc32c(_orbax._canonical(meta))
+    assert meta["crc32c"] == _orbax.crc32c(_orbax_layout.canonical(meta))
 
 
 def test_an_asynchronous_save_neither_locks_the_arrays_nor_sees_later_changes(tmp_path):
