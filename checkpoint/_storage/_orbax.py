@@ -276,12 +276,7 @@ class OrbaxReader:
             for name, value in self._read(host, {n: missing[n][0] for n in host}):
                 got[name] = value
             for name, (key, part, _) in missing.items():
-                value = got.get(name)
-                shape, dtype = self._stored_as(name, part)
-                if not isinstance(value, (np.ndarray, jax.Array)) or tuple(value.shape) != shape or \
-                        np.dtype(value.dtype) != dtype:  # the values files' own metadata decides what is read
-                    found = f"{type(value).__name__} {getattr(value, 'shape', '')} {getattr(value, 'dtype', '')}"
-                    raise self._unreadable({name: (key,)}, f"read {found.strip()} for {shape} {dtype}")
+                self._check_read(name, key, part, got.get(name))
             self._cache.update((n, got[n]) for n in host)
         return {n: got[n] if n in got else self._cache[n] for n in want}
 
@@ -355,11 +350,20 @@ class OrbaxReader:
         keys = {name: key for name, (key, _, _) in streamed.items()}
         for name, host in self._read(list(streamed), keys):
             key, part, sharding = streamed[name]
-            shape, dtype = self._stored_as(name, part)
-            if tuple(host.shape) != shape or np.dtype(host.dtype) != dtype:
-                raise self._unreadable({name: (key,)}, f"read {tuple(host.shape)} {host.dtype} for {shape} {dtype}")
+            self._check_read(name, key, part, host)
             value = self._value(key, part, {name: host})  # checked on the host, before any device holds it
             yield key, jax.device_put(value, sharding)
+
+    def _check_read(self, name: str, key: str, part: dict, value: Any) -> None:
+        """Raises unless `value`, read for stored array `name`, has the shape and dtype it is stored with.
+
+        The values files' own metadata decides what tensorstore and orbax read.
+        """
+        shape, dtype = self._stored_as(name, part)
+        if not isinstance(value, (np.ndarray, jax.Array)) or tuple(value.shape) != shape or \
+                np.dtype(value.dtype) != dtype:
+            found = f"{type(value).__name__} {getattr(value, 'shape', '')} {getattr(value, 'dtype', '')}"
+            raise self._unreadable({name: (key,)}, f"read {found.strip()} for {shape} {dtype}")
 
     def _stored_as(self, name: str, part: dict) -> tuple[tuple[int, ...], np.dtype]:
         if PACK_NAME.fullmatch(name):
