@@ -9,6 +9,7 @@ which pytest here turns into an error).
 """
 
 import os
+import re
 import sys
 
 import jax
@@ -92,3 +93,28 @@ def test_slots_follow_their_param_when_a_restored_state_lies_elsewhere():
     (w,), state = opt.apply_gradients([jnp.ones((8, 8))], [w], state)
     # Colocated with the primary, as TF's slots.
     assert state.get_slot(w, "momentum").sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+
+
+def test_inputs_on_different_devices_are_named_and_a_state_per_device_steps_them():
+    d = jax.devices()
+    a = Variable(jax.device_put(jnp.ones(4), d[1]), name="a")
+    b = Variable(jax.device_put(jnp.ones(4), d[2]), name="b")
+    opt = Adam(0.1)
+    fix = ("One step runs as one XLA program on one set of devices (TF would run each variable's update on its own "
+           "device): put every param and gradient on the same devices")
+    with pytest.raises(ValueError, match=r"^apply_gradients: Variable 'a' \(params\['a'\]\) is on cpu:1 but "
+                       r"Variable 'b' \(params\['b'\]\) is on cpu:2\. " + re.escape(fix)):
+        opt.apply_gradients({"a": jnp.ones(4), "b": jnp.ones(4)}, {"a": a, "b": b}, opt.init({"a": a, "b": b}))
+    mesh = jax.make_mesh((4,), ("x",), devices=d[:4], axis_types=(AxisType.Auto,))
+    c = Variable(jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x"))), name="c")
+    with pytest.raises(ValueError, match=r"Variable 'a' \(params\[0\]\) is on cpu:1 but Variable 'c' "
+                       r"\(params\[1\]\) is on devices \[0, 1, 2, 3\]\. "):
+        opt.apply_gradients([jnp.ones(4), jnp.ones(8)], [a, c], opt.init([a, c]))
+    with pytest.raises(ValueError, match=r"Variable 'a' \(params\[0\]\) is on cpu:1 but grads\[0\] is on cpu:2\. "):
+        opt.apply_gradients([jax.device_put(jnp.ones(4), d[2])], [a], opt.init([a]))
+    # The fix the message gives: a state per device, each step on its own device, as TF's per-variable updates.
+    (a2,), _ = opt.apply_gradients([jnp.ones(4)], [a], opt.init([a]))
+    (b2,), _ = opt.apply_gradients([jnp.ones(4)], [b], opt.init([b]))
+    assert a2.sharding.device_set == {d[1]} and b2.sharding.device_set == {d[2]}
+    np.testing.assert_allclose(np.asarray(a2.value), np.asarray(b2.value))
+    np.testing.assert_allclose(np.asarray(a2.value), 1 - 0.1, rtol=1e-6)  # Adam's first step: lr * sign(g)

@@ -217,6 +217,9 @@ def apply_jitted(
         spent = _first_donated(params, state, global_step)
         if spent is not None:
             raise donated_error(spent) from e
+        clash = _device_clash(grads, params, state, global_step)
+        if clash is not None:
+            raise ValueError(clash) from e
         raise
     finally:
         if collect:
@@ -294,6 +297,40 @@ def _first_donated(params: Any, state: OptimizerState, global_step: Any = None) 
                 at = f"{where}{jax.tree_util.keystr(path)}"
                 return f"Variable {x.name!r} ({at})" if isinstance(x, Variable) else at
     return None
+
+
+def _device_clash(grads: Any, params: Any, state: OptimizerState, global_step: Any = None) -> str | None:
+    """Why one step cannot run, when two of its inputs are committed to different devices; else None.
+
+    TF places each variable's update on that variable's device; a jitted step
+    is one XLA program, which runs on one set of devices. JAX's own error
+    names positions of the flat step's arguments, not the caller's variables.
+    """
+    first = None
+    for where, tree in (("params", params), ("state", state), ("global_step", global_step), ("grads", grads)):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]:
+            v = _value(x)
+            if type(v) is not ArrayImpl or not v.committed:
+                continue
+            at = f"{where}{jax.tree_util.keystr(path)}"
+            label = f"Variable {x.name!r} ({at})" if isinstance(x, Variable) else at
+            devices = v.sharding.device_set
+            if first is None:
+                first = label, devices
+            elif devices != first[1]:
+                return (
+                    f"apply_gradients: {first[0]} is on {_devices(first[1])} but {label} is on {_devices(devices)}. "
+                    "One step runs as one XLA program on one set of devices (TF would run each variable's update "
+                    "on its own device): put every param and gradient on the same devices (one device, or shard "
+                    "them over one mesh with jax.device_put(x, NamedSharding(mesh, spec))), or give each "
+                    "device's params an optimizer state of their own and step them separately."
+                )
+    return None
+
+
+def _devices(devices: Any) -> str:
+    ids = sorted(devices, key=lambda d: d.id)
+    return str(ids[0]) if len(ids) == 1 else f"devices {[d.id for d in ids]}"
 
 
 def _tie(tree: Any) -> Any:
