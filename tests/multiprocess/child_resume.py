@@ -51,6 +51,9 @@ def dying_barrier(name, timeout_s=None):
 
 
 _distributed.barrier = dying_barrier
+# Only this save waits briefly at its barriers: before it, a loaded machine may hold one process back for
+# seconds (compiling), which must not read as a dead peer.
+_distributed.BARRIER_TIMEOUT_S = float(group.args()[1])
 start = time.monotonic()
 try:
     mgr.save(2, model=status.model)

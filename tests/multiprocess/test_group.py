@@ -169,8 +169,7 @@ def test_train_save_and_restore_across_process_counts(group, tmp_path, reference
 def test_restore_onto_more_processes_and_a_process_dying_in_a_save(group, tmp_path, reference):
     one = str(tmp_path / "one_process")
     checkpoint.Checkpoint(model=reference["params"], optimizer=reference["state"]).write(one)
-    out = group("child_resume.py", one, all_succeed=False, env={"VARSTATE_BARRIER_TIMEOUT_S": "8"},
-                timeout_s=200)
+    out = group("child_resume.py", one, "8", all_succeed=False, timeout_s=200)
     assert [o.returncode for o in out] == [0, 17], "\n".join(map(str, out))
     r0 = out[0].results
 
