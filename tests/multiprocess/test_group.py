@@ -61,7 +61,8 @@ class _Evaluator(threading.Thread):
         self.directory, self.seen, self.errors, self.done = directory, set(), [], threading.Event()
 
     def run(self) -> None:
-        while not self.done.is_set():
+        while True:
+            last = self.done.is_set()  # one look after the group ended: its latest checkpoint is always read
             path = checkpoint.latest_checkpoint(self.directory) if os.path.isdir(self.directory) else None
             if path and path not in self.seen:
                 try:
@@ -71,6 +72,8 @@ class _Evaluator(threading.Thread):
                 except Exception as e:  # deleted since (max_to_keep) is fine; anything else is a torn read
                     if os.path.exists(path):
                         self.errors.append(f"{path}: {e!r}")
+            if last:
+                return
             time.sleep(0.05)
 
 
