@@ -378,10 +378,21 @@ def _wb():
 def test_grads_with_another_structure_name_the_first_difference():
     params = _wb()
     opt = Adam()
-    with pytest.raises(ValueError, match=r"first difference at grads\['c'\] vs params\['w'\]"):
-        opt.apply_gradients({"b": jnp.ones(2), "c": jnp.ones((3, 2))}, params, opt.init(params))
-    with pytest.raises(ValueError, match=r"params\['w'\] has no matching gradient"):
-        opt.apply_gradients({"b": jnp.ones(2)}, params, opt.init(params))
+    state = opt.init(params)
+    fix = r"\. Pass grads with exactly the structure of params \(None for a param without gradient\)\."
+    with pytest.raises(ValueError, match=r"^apply_gradients: grads do not have the structure of params; first "
+                                         r"difference: grads\['c'\] vs params\['w'\]" + fix):
+        opt.apply_gradients({"b": jnp.ones(2), "c": jnp.ones((3, 2))}, params, state)
+    with pytest.raises(ValueError, match=r"first difference: params\['w'\] has no matching gradient" + fix):
+        opt.apply_gradients({"b": jnp.ones(2)}, params, state)
+    # Same key paths, other containers: the first one whose type differs is named.
+    with pytest.raises(ValueError, match=r"first difference: grads is a list where params is a tuple" + fix):
+        opt.apply_gradients([jnp.ones((3, 2)), jnp.ones(2)], (params["w"], params["b"]), opt.init((params["w"],
+                                                                                                  params["b"])))
+    nested = {"layer": (params["w"], params["b"])}
+    with pytest.raises(ValueError, match=r"first difference: grads\['layer'\] is a list where params\['layer'\] "
+                                         r"is a tuple" + fix):
+        opt.apply_gradients({"layer": [jnp.ones((3, 2)), jnp.ones(2)]}, nested, opt.init(nested))
 
 
 def test_gradient_shape_and_dtype_mismatch():

@@ -75,7 +75,27 @@ def _first_difference(grads: Any, params: Any) -> str:
         return f"grads{g_paths[len(p_paths)]} has no matching param"
     if len(p_paths) > len(g_paths):
         return f"params{p_paths[len(g_paths)]} has no matching gradient"
-    return "the container types differ at the root"
+    return _container_difference(grads, params, "") or "a container's static data differs (same keys)"
+
+
+def _container_difference(grads: Any, params: Any, at: str) -> str | None:
+    """Where two trees with the same key paths differ in a container's type (a list for a tuple), or None."""
+    def is_leaf(x, leaf):
+        return leaf(x) or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+    if is_leaf(grads, _is_grad_leaf) or is_leaf(params, _is_var):
+        return None
+    if type(grads) is not type(params):
+        return f"grads{at} is a {type(grads).__name__} where params{at} is a {type(params).__name__}"
+
+    def children(x):  # one level down, with the key of each child
+        return jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+
+    for (path, g), (_, p) in zip(children(grads), children(params), strict=False):
+        found = _container_difference(g, p, at + jax.tree_util.keystr(path))
+        if found:
+            return found
+    return None
 
 
 def _flatten_grads(grads: Any, params: Any) -> tuple[list, list, Any, list]:
@@ -85,7 +105,7 @@ def _flatten_grads(grads: Any, params: Any) -> tuple[list, list, Any, list]:
         g_leaves = p_def.flatten_up_to(grads)
     except (ValueError, TypeError):
         raise ValueError(
-            f"apply_gradients: grads do not have the structure of params; first difference at "
+            f"apply_gradients: grads do not have the structure of params; first difference: "
             f"{_first_difference(grads, params)}. Pass grads with exactly the structure of params "
             "(None for a param without gradient)."
         ) from None
