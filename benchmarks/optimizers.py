@@ -9,10 +9,12 @@ mean step time of a burst of steps (the machine is noisy; CPU time is the steadi
 varstate is faster. Also: the first step of a freshly built model identical to one already stepped (the compiled
 step is reused) against a jit over Variables, which traces and compiles again; the compiled peak memory of one
 donated step; lazy against dense Adam on a large embedding table.
+``--accelerator-rows`` runs only the rows issue 15 asks of a GPU (see benchmarks/gpu.sh).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -207,7 +209,23 @@ def bench_threshold(total, sizes, n_steps):
     return out
 
 
+def accelerator_rows():
+    """Issue 15's rows for a GPU (benchmarks/gpu.sh): fused Adam against optax.adam on 1,000 x 16x4 (target:
+    at least 3x faster) and on 200 x 256x64 (target: no slower), params as a list, gradients from a jit."""
+    print(f"jax {jax.__version__} on {jax.devices()[0]}; min over {REPEATS} interleaved repeats; wall ms")
+    targets = {1000: ("fused/adam", "<= 0.33"), 200: ("fused/adam", "<= 1.0")}
+    for count, shape in [(1000, (16, 4)), (200, (256, 64))]:
+        t = bench_dense(count, shape, 50, "list", "jit")
+        ours, fused, ref, flat = (t[k][0] for k in ("varstate", "fused", "optax", "flatten"))
+        what, target = targets[count]
+        print(f"{count} x {shape[0]}x{shape[1]}: varstate {ours * 1e3:.3f}, fused {fused * 1e3:.3f}, optax.adam "
+              f"{ref * 1e3:.3f}, optax.flatten {flat * 1e3:.3f}; ours/adam {ours / ref:.3f}, {what} "
+              f"{fused / ref:.3f} (target {target}), fused/flatten {fused / flat:.3f}")
+
+
 def main():
+    if sys.argv[1:] == ["--accelerator-rows"]:
+        return accelerator_rows()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; min over {REPEATS} interleaved repeats")
     print("each cell: wall ms / CPU ms; ratios of wall times (of CPU times); < 1: varstate is faster")
     print("varstate: Adam(...).init(params); fused: .init(params, fused=True) (slots of params up to "
