@@ -61,15 +61,17 @@ def train(policy_name, steps=150):
     for _ in range(steps):
         params, state, loss = step(params, state)
         losses.append(float(loss))
-    scale = state.non_slots.get("current_loss_scale")
-    return losses, None if scale is None else scale.value.item()
+    return losses, params, state
 
 
 def main():
+    runs = {}
     for name in ("float32", "mixed_bfloat16", "mixed_float16"):
-        losses, scale = train(name)
-        extra = f", loss scale {scale:g}" if scale is not None else ""
+        losses, _, state = runs[name] = train(name)
+        scale = state.non_slots.get("current_loss_scale")
+        extra = f", loss scale {scale.value.item():g}" if scale is not None else ""
         print(f"{name:>15}: loss {losses[0]:.4f} -> {losses[-1]:.2e}{extra}")
+    return runs
 
 
 if __name__ == "__main__":
