@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import varstate
 from varstate import IndexedSlices, Variable
 from varstate.optimizers import Adam, Momentum
 from varstate.optimizers._step import _jitted_update
@@ -118,3 +119,26 @@ def test_inputs_on_different_devices_are_named_and_a_state_per_device_steps_them
     assert a2.sharding.device_set == {d[1]} and b2.sharding.device_set == {d[2]}
     np.testing.assert_allclose(np.asarray(a2.value), np.asarray(b2.value))
     np.testing.assert_allclose(np.asarray(a2.value), 1 - 0.1, rtol=1e-6)  # Adam's first step: lr * sign(g)
+
+
+@pytest.mark.parametrize("where", ["device 1", "mesh"])
+def test_a_global_step_made_on_device_0_joins_params_placed_elsewhere_with_one_compile(where):
+    # TF runs the increment on the global step's own device; here it joins the step's devices once (replicated
+    # over a mesh), as jit's outputs are placed, so step 2 runs the same executable as step 1.
+    if where == "mesh":
+        mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[4:], axis_types=(AxisType.Explicit,))
+        value, want = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x"))), NamedSharding(mesh, P())
+    else:
+        value = jax.device_put(jnp.ones(8), jax.devices()[1])
+        want = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    w = Variable(value, name="w")
+    global_step = varstate.get_or_create_global_step()
+    assert not global_step.value.committed and global_step.value.sharding.device_set == {jax.devices()[0]}
+    opt = Adam(0.1)
+    params, state = [w], opt.init([w])
+    compiled = _jitted_update._cache_size()
+    for _ in range(3):
+        params, state, global_step = opt.apply_gradients([jnp.ones(8)], params, state, global_step=global_step)
+    assert _jitted_update._cache_size() == compiled + 1
+    assert int(global_step.value) == 3 and global_step.value.sharding == want
+    assert params[0].value.sharding == value.sharding

@@ -346,13 +346,26 @@ def _tie(tree: Any) -> Any:
 def _commit(leaves: list) -> list:
     """`leaves` with every uncommitted concrete array committed where it is (aliased, no copy)."""
     arrays = [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, Tracer)]
-    if len({d for x in arrays if x.committed for d in x.sharding.device_set}) > 1:
-        return leaves  # placed across devices already: committing the rest to one device would clash
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not isinstance(x, Tracer) and not x.committed]
     if not at:
         return leaves
+    committed = {x.sharding for x in arrays if x.committed}
+    devices = {d for s in committed for d in s.device_set}
+    # The rest joins the committed ones where jit would move it on every call, as its outputs will be (a global
+    # step made on device 0 for params on device 1, or on one mesh): else step 2 compiles again.
+    if len(devices) == 1:
+        shardings = [jax.sharding.SingleDeviceSharding(next(iter(devices)))] * len(at)
+    elif devices:
+        meshes = {getattr(s, "mesh", None) for s in committed}
+        mesh = meshes.pop() if len(meshes) == 1 else None
+        if not isinstance(mesh, jax.sharding.Mesh) or not all(d.process_index == jax.process_index()
+                                                              for d in devices):
+            return leaves  # placed across devices otherwise (or other processes'): left to jit
+        shardings = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(at)
+    else:
+        shardings = [leaves[i].sharding for i in at]
     # One batched device_put: 1,000 single ones cost 100 ms on CPU, about 30 times this.
-    put = jax.device_put([leaves[i] for i in at], [leaves[i].sharding for i in at], may_alias=True)
+    put = jax.device_put([leaves[i] for i in at], shardings, may_alias=True)
     leaves = list(leaves)
     for i, x in zip(at, put, strict=True):
         leaves[i] = x
