@@ -28,3 +28,14 @@ import varstate  # noqa: E402
 def fresh_default_registry(monkeypatch):
     """Each test sees a new default registry, so unique names do not depend on test order."""
     monkeypatch.setattr(varstate.Registry, "_default", varstate.Registry())
+
+
+@pytest.fixture(scope="session")
+def newcomer_env():
+    """The environment of a subprocess that runs an example as a newcomer would: one CPU device (no XLA_FLAGS),
+    warnings as errors, except jax's for a persistent-cache entry read while another process writes it (see
+    pyproject's filterwarnings). Do not change it in place."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONWARNINGS": "error,ignore:Error reading persistent compilation cache entry:UserWarning"}
+    env.pop("XLA_FLAGS", None)
+    return env

@@ -20,10 +20,8 @@ example = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(example)
 
 
-def test_runs_and_reports_ok():
-    env = {**os.environ, "PYTHONWARNINGS": "error", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, EXAMPLE], env=env, capture_output=True, text=True, timeout=600)
+def test_runs_and_reports_ok(newcomer_env):
+    out = subprocess.run([sys.executable, EXAMPLE], env=newcomer_env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("OK: the nnx models hold TF's values")
 

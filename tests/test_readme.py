@@ -6,7 +6,6 @@ default variable registry, so one import of jax serves them all.
 """
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -44,11 +43,10 @@ def _blocks():
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    env = {**os.environ, "PYTHONWARNINGS": "error", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # the README's examples run as a newcomer runs them
+def results(tmp_path_factory, newcomer_env):  # the README's examples run as a newcomer runs them
     out = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps([c for c, _ in _blocks()]),
-                         cwd=tmp_path_factory.mktemp("readme"), env=env, capture_output=True, text=True, timeout=600)
+                         cwd=tmp_path_factory.mktemp("readme"), env=newcomer_env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

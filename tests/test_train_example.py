@@ -64,13 +64,11 @@ def test_sigterm_saves_and_exits_then_resumes_bit_identical(tmp_path, capsys, mo
     assert_bit_identical(params(tmp_path / "ref.npz"), params(tmp_path / "resumed.npz"))
 
 
-def test_nnx_example_resumes_bit_identical():
+def test_nnx_example_resumes_bit_identical(newcomer_env):
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONWARNINGS": "error", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "nnx_train_resume.py")], env=env,
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "nnx_train_resume.py")], env=newcomer_env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed at step 30" in out.stdout and out.stdout.strip().endswith("OK: bit-identical after resuming")
