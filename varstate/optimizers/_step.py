@@ -344,7 +344,8 @@ def _tie(tree: Any) -> Any:
 
 
 def _commit(leaves: list) -> list:
-    """`leaves` with every uncommitted concrete array committed where it is (aliased, no copy)."""
+    """`leaves` with every uncommitted concrete array committed: where it is (aliased, no copy), or where the
+    committed ones are (one device, or replicated over their mesh)."""
     arrays = [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, Tracer)]
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not isinstance(x, Tracer) and not x.committed]
     if not at:
