@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import operator
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -289,14 +290,18 @@ def lower(opt: Optimizer, grads: Any, params: Any, state: OptimizerState, step: 
         _trace.defs = None
 
 
+def _labelled(**trees: Any) -> Iterator[tuple[str, Any]]:
+    """(a name for the caller, its value) per leaf of the step's inputs: "Variable 'w' (params['w'])", "grads[0]"."""
+    for where, tree in trees.items():
+        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]:
+            at = f"{where}{jax.tree_util.keystr(path)}"
+            yield (f"Variable {x.name!r} ({at})" if isinstance(x, Variable) else at), _value(x)
+
+
 def _first_donated(params: Any, state: OptimizerState, global_step: Any = None) -> str | None:
     """A name for the first param or state leaf whose buffer an earlier step donated, or None."""
-    for where, tree in (("params", params), ("state", state), ("global_step", global_step)):
-        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]:
-            if is_deleted_array(_value(x)):
-                at = f"{where}{jax.tree_util.keystr(path)}"
-                return f"Variable {x.name!r} ({at})" if isinstance(x, Variable) else at
-    return None
+    return next((label for label, v in _labelled(params=params, state=state, global_step=global_step)
+                 if is_deleted_array(v)), None)
 
 
 def _device_clash(grads: Any, params: Any, state: OptimizerState, global_step: Any = None) -> str | None:
@@ -307,24 +312,20 @@ def _device_clash(grads: Any, params: Any, state: OptimizerState, global_step: A
     names positions of the flat step's arguments, not the caller's variables.
     """
     first = None
-    for where, tree in (("params", params), ("state", state), ("global_step", global_step), ("grads", grads)):
-        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]:
-            v = _value(x)
-            if type(v) is not ArrayImpl or not v.committed:
-                continue
-            at = f"{where}{jax.tree_util.keystr(path)}"
-            label = f"Variable {x.name!r} ({at})" if isinstance(x, Variable) else at
-            devices = v.sharding.device_set
-            if first is None:
-                first = label, devices
-            elif devices != first[1]:
-                return (
-                    f"apply_gradients: {first[0]} is on {_devices(first[1])} but {label} is on {_devices(devices)}. "
-                    "One step runs as one XLA program on one set of devices (TF would run each variable's update "
-                    "on its own device): put every param and gradient on the same devices (one device, or shard "
-                    "them over one mesh with jax.device_put(x, NamedSharding(mesh, spec))), or give each "
-                    "device's params an optimizer state of their own and step them separately."
-                )
+    for label, v in _labelled(params=params, state=state, global_step=global_step, grads=grads):
+        if type(v) is not ArrayImpl or not v.committed:
+            continue
+        devices = v.sharding.device_set
+        if first is None:
+            first = label, devices
+        elif devices != first[1]:
+            return (
+                f"apply_gradients: {first[0]} is on {_devices(first[1])} but {label} is on {_devices(devices)}. "
+                "One step runs as one XLA program on one set of devices (TF would run each variable's update "
+                "on its own device): put every param and gradient on the same devices (one device, or shard "
+                "them over one mesh with jax.device_put(x, NamedSharding(mesh, spec))), or give each "
+                "device's params an optimizer state of their own and step them separately."
+            )
     return None
 
 
@@ -346,11 +347,11 @@ def _tie(tree: Any) -> Any:
 def _commit(leaves: list) -> list:
     """`leaves` with every uncommitted concrete array committed: where it is (aliased, no copy), or where the
     committed ones are (one device, or replicated over their mesh)."""
-    arrays = [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, Tracer)]
-    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not isinstance(x, Tracer) and not x.committed]
+    concrete = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not isinstance(x, Tracer)]
+    at = [i for i in concrete if not leaves[i].committed]
     if not at:
         return leaves
-    committed = {x.sharding for x in arrays if x.committed}
+    committed = {leaves[i].sharding for i in concrete if leaves[i].committed}
     devices = {d for s in committed for d in s.device_set}
     # The rest joins the committed ones where jit would move it on every call, as its outputs will be (a global
     # step made on device 0 for params on device 1, or on one mesh): else step 2 compiles again.
