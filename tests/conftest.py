@@ -23,6 +23,15 @@ import pytest  # noqa: E402
 
 import varstate  # noqa: E402
 
+# jax's persistent compilation cache (shared by the xdist workers and the example subprocesses) writes an entry
+# in place: a process that reads it while another writes it finds it truncated, warns, and compiles for itself,
+# which is the right outcome. As an error, it failed a random test about once per cold run.
+CACHE_ENTRY_MID_WRITE = "ignore:Error reading persistent compilation cache entry:UserWarning"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("filterwarnings", CACHE_ENTRY_MID_WRITE)  # after pyproject's "error": it wins
+
 
 @pytest.fixture(autouse=True)
 def fresh_default_registry(monkeypatch):
@@ -33,9 +42,7 @@ def fresh_default_registry(monkeypatch):
 @pytest.fixture(scope="session")
 def newcomer_env():
     """The environment of a subprocess that runs an example as a newcomer would: one CPU device (no XLA_FLAGS),
-    warnings as errors, except jax's for a persistent-cache entry read while another process writes it (see
-    pyproject's filterwarnings). Do not change it in place."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONWARNINGS": "error,ignore:Error reading persistent compilation cache entry:UserWarning"}
+    warnings as errors, except jax's for a cache entry read mid-write. Do not change it in place."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": f"error,{CACHE_ENTRY_MID_WRITE}"}
     env.pop("XLA_FLAGS", None)
     return env
