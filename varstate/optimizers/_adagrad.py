@@ -45,8 +45,8 @@ class Adagrad(Optimizer):
     def _dense(self, h, grad, var, slots, non_slots):
         lr = as_dtype(h["learning_rate"], var.dtype)
         accum = slots["accumulator"] + grad * grad
-        # TF's kernel says rsqrt; its vectorized form is a hardware estimate, its scalar form 1/sqrt:
-        # the correctly rounded 1/sqrt is what TF computes wherever the result does not depend on the CPU.
+        # TF's kernel says rsqrt, which TF evaluates as the correctly rounded 1 / sqrt. Op by op, so do we;
+        # under jit XLA rewrites 1 / sqrt as rsqrt, within 1 ulp (the jit contract in the README).
         return var - grad * lr * (1 / jnp.sqrt(accum)), {"accumulator": accum}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
