@@ -24,7 +24,8 @@ import optax
 from flax import nnx
 
 import varstate
-from varstate.optimizers import Adam, _packed, _step
+from varstate.optimizers import Adam
+from varstate.optimizers._core import _packed, _step
 
 REPEATS = 5
 

@@ -20,27 +20,27 @@ if TYPE_CHECKING:
     from checkpoint._checkpoint import Checkpoint, read_checkpoint
     from checkpoint._export import Asset, export, load, register_revived_type
     from checkpoint._manager import CheckpointManager, StepAlreadyExistsError, latest_checkpoint
-    from checkpoint._name_based import NameBasedLoadStatus, restore_by_name, write_name_based
-    from checkpoint._saved_model import read_saved_model
     from checkpoint._status import LoadStatus
     from checkpoint._storage._distributed import ProcessGroupError
+    from checkpoint._tf._name_based import NameBasedLoadStatus, restore_by_name, write_name_based
+    from checkpoint._tf._saved_model import read_saved_model
 
 _HOME = {
     "Asset": "_export",
     "Checkpoint": "_checkpoint",
     "CheckpointManager": "_manager",
     "LoadStatus": "_status",
-    "NameBasedLoadStatus": "_name_based",
+    "NameBasedLoadStatus": "_tf._name_based",
     "ProcessGroupError": "_storage._distributed",
     "export": "_export",
     "latest_checkpoint": "_manager",
     "load": "_export",
     "read_checkpoint": "_checkpoint",
-    "read_saved_model": "_saved_model",
+    "read_saved_model": "_tf._saved_model",
     "register_revived_type": "_export",
-    "restore_by_name": "_name_based",
+    "restore_by_name": "_tf._name_based",
     "StepAlreadyExistsError": "_manager",
-    "write_name_based": "_name_based",
+    "write_name_based": "_tf._name_based",
 }
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 import sys
 
-from checkpoint._cli import main
+from checkpoint._cli._main import main
 
 __all__ = ["main"]
 

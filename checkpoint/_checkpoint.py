@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from checkpoint import _graph, _keys, _publish, _storage
+from checkpoint import _graph, _keys, _storage
 from checkpoint._errors import DataLossError
 from checkpoint._status import InitializationOnlyStatus, LoadStatus
-from checkpoint._storage import _distributed
+from checkpoint._storage import _distributed, _publish
 
 
 def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:

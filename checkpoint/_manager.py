@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from checkpoint import _publish, _storage
+from checkpoint import _storage
 from checkpoint._checkpoint import Checkpoint
-from checkpoint._journal import Journal, checked_metrics
 from checkpoint._status import LoadStatus
-from checkpoint._storage import _distributed, read_checkpoint_state, record_latest
+from checkpoint._storage import _distributed, _publish, read_checkpoint_state, record_latest
+from checkpoint._storage._journal import Journal, checked_metrics
 
 
 def latest_checkpoint(directory: str) -> str | None:

@@ -46,3 +46,32 @@ def newcomer_env():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": f"error,{CACHE_ENTRY_MID_WRITE}"}
     env.pop("XLA_FLAGS", None)
     return env
+
+
+class CompileCounter:
+    """Counts the programs jax lowers (each one a compile, or a load from the persistent cache), through jax's
+    public monitoring events; `counter("name")` counts those of the function with that ``__name__`` only (jax
+    records ``jit(name)``), so eager ops such as ``jnp.ones`` do not count."""
+
+    # jax records this event once per program it lowers to MLIR, whether XLA then compiles it or a persistent
+    # cache entry supplies the executable, so it counts what a user pays for on a cache miss of jit's own cache.
+    EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def _listen(self, event: str, _duration: float, *, fun_name: str = "", **_kwargs) -> None:
+        if event == self.EVENT:
+            self.names.append(fun_name)
+
+    def __call__(self, name: str | None = None) -> int:
+        return len(self.names) if name is None else sum(n == f"jit({name})" for n in self.names)
+
+
+@pytest.fixture
+def compiles():
+    """A CompileCounter listening for the duration of the test."""
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter._listen)
+    yield counter
+    jax.monitoring.unregister_event_duration_listener(counter._listen)

@@ -22,7 +22,8 @@ _ZYGOTE = textwrap.dedent(
     """
     import json, os, signal, sys, threading
     import jax._src.xla_bridge, jax.numpy, orbax.checkpoint, checkpoint, varstate
-    from checkpoint import _checkpoint, _manager, _publish
+    from checkpoint import _checkpoint, _manager
+    from checkpoint._storage import _publish
     from checkpoint._storage import _state_file
 
     for line in sys.stdin:

@@ -21,13 +21,14 @@ pytestmark = pytest.mark.xdist_group("checkpoint_safety")
 
 # The child saves steps 1, 2, 3, ... with a CheckpointManager (max_to_keep=2); at save 3 it kills itself
 # with SIGKILL at the point named by argv[2] (or it is killed from outside). The points are the steps of a
-# save, each one small function of checkpoint._publish or checkpoint._manager (the seams), not orbax's.
+# save, each one small function of checkpoint._storage._publish or checkpoint._manager (the seams), not orbax's.
 CHILD = textwrap.dedent(
     """
     import os, signal, sys
     import jax.numpy as jnp
     import checkpoint, varstate
-    from checkpoint import _manager, _publish
+    from checkpoint import _manager
+    from checkpoint._storage import _publish
     from checkpoint._storage import _state_file
 
     directory, point = sys.argv[1], sys.argv[2]

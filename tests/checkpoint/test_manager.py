@@ -10,7 +10,8 @@ from google.protobuf import text_format
 
 import checkpoint
 import varstate
-from checkpoint import _publish, _storage
+from checkpoint import _storage
+from checkpoint._storage import _publish
 from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
 
 TF_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tf_object_graph")

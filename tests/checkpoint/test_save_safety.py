@@ -16,7 +16,8 @@ import pytest
 
 import checkpoint
 import varstate
-from checkpoint import _journal, _manager, _publish
+from checkpoint import _manager
+from checkpoint._storage import _journal, _publish
 
 # One worker for the whole module under `--dist loadgroup`: its module-scoped fixture then runs once.
 pytestmark = pytest.mark.xdist_group("save_safety")
@@ -110,7 +111,7 @@ SWAP_CHILD = textwrap.dedent(
     import os, signal, sys
     import jax.numpy as jnp
     import checkpoint, varstate
-    from checkpoint import _publish
+    from checkpoint._storage import _publish
 
     directory, who, fmt, point = sys.argv[1:5]
     calls = {}
@@ -209,7 +210,7 @@ EXIT_CHILD = textwrap.dedent(
     import sys
     import jax.numpy as jnp
     import checkpoint, varstate
-    from checkpoint import _publish
+    from checkpoint._storage import _publish
 
     directory, fmt, mode = sys.argv[1:4]
     if mode == "fail":
@@ -291,7 +292,7 @@ def test_the_next_save_in_the_directory_removes_every_leftover(tmp_path, saver):
 LIVE_SAVE = textwrap.dedent(
     """
     import os, sys
-    from checkpoint import _publish
+    from checkpoint._storage import _publish
 
     directory = sys.argv[1]
     lock = _publish.begin(directory)  # what every save holds while its temporaries exist

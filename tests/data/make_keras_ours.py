@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from checkpoint import keras
+from checkpoint.keras import _weights as keras
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keras_weights")
 

@@ -4,7 +4,8 @@ from varstate.optimizers._adadelta import Adadelta
 from varstate.optimizers._adagrad import Adagrad
 from varstate.optimizers._adagrad_da import AdagradDA
 from varstate.optimizers._adam import Adam
-from varstate.optimizers._base import Optimizer
+from varstate.optimizers._core._base import Optimizer
+from varstate.optimizers._core._state import OptimizerState
 from varstate.optimizers._ftrl import Ftrl
 from varstate.optimizers._gradient_descent import GradientDescent
 from varstate.optimizers._loss_scale import LossScaleOptimizer
@@ -13,7 +14,6 @@ from varstate.optimizers._optax import from_optax
 from varstate.optimizers._proximal_adagrad import ProximalAdagrad
 from varstate.optimizers._proximal_gradient_descent import ProximalGradientDescent
 from varstate.optimizers._rmsprop import RMSProp
-from varstate.optimizers._state import OptimizerState
 
 __all__ = [
     "Adadelta",

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from varstate.optimizers._base import Hyper, Optimizer
-from varstate.optimizers._rows import as_dtype, gather_rows, set_rows
+from varstate.optimizers._core._base import Hyper, Optimizer
+from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
 
 
 @dataclasses.dataclass(frozen=True)

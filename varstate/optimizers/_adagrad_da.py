@@ -10,7 +10,8 @@ import numpy as np
 from jax import lax
 
 from varstate._global_step import assert_global_step
-from varstate.optimizers._base import Hyper, Optimizer
+from varstate.optimizers._core._base import Hyper, Optimizer
+from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
 from varstate.optimizers._proximal_math import (
     _check,
     _div,
@@ -20,7 +21,6 @@ from varstate.optimizers._proximal_math import (
     _two_prod,
     _two_sum,
 )
-from varstate.optimizers._rows import as_dtype, gather_rows, set_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from varstate._global_step import int64_counter
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable, owning_variable
-from varstate.optimizers._base import Optimizer
-from varstate.optimizers._slots import _scalar_placement, check_non_slots
-from varstate.optimizers._state import OptimizerState
+from varstate.optimizers._core._base import Optimizer
+from varstate.optimizers._core._slots import check_non_slots, scalar_placement
+from varstate.optimizers._core._state import OptimizerState
 
 _SCALE, _GOOD = "current_loss_scale", "good_steps"  # Keras's variable names (checkpoint keys)
 
@@ -165,7 +165,7 @@ class LossScaleOptimizer(Optimizer):
         first = next((p for p in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Variable))
                       if isinstance(p, Variable)), None)
         registry = first.handle.registry if first is not None else None
-        placement = _scalar_placement(first)  # with the inner optimizer's non-slots
+        placement = scalar_placement(first)  # with the inner optimizer's non-slots
         non_slots = {**state.non_slots, **kept}
         if _SCALE not in non_slots:
             scale = jnp.asarray(self.initial_scale, jnp.float32, device=placement)

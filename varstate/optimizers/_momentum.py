@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from varstate.optimizers._base import Hyper, Optimizer
-from varstate.optimizers._rows import as_dtype, gather_rows, set_rows
+from varstate.optimizers._core._base import Hyper, Optimizer
+from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
 
 
 @dataclasses.dataclass(frozen=True)

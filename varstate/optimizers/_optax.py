@@ -10,19 +10,19 @@ import jax.numpy as jnp
 
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable
-from varstate.optimizers._base import Optimizer
-from varstate.optimizers._matching import (
-    _check_indices_range,
-    _convert_grad,
-    _flatten_grads,
-    _is_var,
-    _label,
-    _like,
-    _owners,
-    _value,
+from varstate.optimizers._core._base import Optimizer
+from varstate.optimizers._core._matching import (
+    array_of,
+    cast_like,
+    check_indices_range,
+    convert_grad,
+    flatten_grads,
+    is_var,
+    owner_positions,
+    path_label,
 )
-from varstate.optimizers._slots import Existing, _scalar_placement, check_non_slots, check_slots, make_slot
-from varstate.optimizers._state import OptimizerState
+from varstate.optimizers._core._slots import Existing, check_non_slots, check_slots, make_slot, scalar_placement
+from varstate.optimizers._core._state import OptimizerState
 
 
 def _key_name(k: Any) -> str:
@@ -66,16 +66,16 @@ class _OptaxOptimizer(Optimizer):
     def _values(self, p_leaves: list, p_def: Any) -> Any:
         # Non-trainable Variables are hidden from optax (None), so they get no state, as in TF; so is
         # every place of a variable after its first (tied weights: one state, at every place).
-        owners = _owners(p_leaves)
+        owners = owner_positions(p_leaves)
         return p_def.unflatten([
-            None if (isinstance(p, Variable) and not p.trainable) or owners[i] != i else _value(p)
+            None if (isinstance(p, Variable) and not p.trainable) or owners[i] != i else array_of(p)
             for i, p in enumerate(p_leaves)
         ])
 
     def _initial_arrays(self, leaves: list, initial: Any = None) -> tuple[dict[str, list], dict[str, Any]]:
         """The initial slots (one entry per leaf, None where none) and non-slots as arrays: traceable (`to_optax`)."""
         del initial  # the transformation's own init is traceable
-        p_def = jax.tree.structure(leaves, is_leaf=_is_var)
+        p_def = jax.tree.structure(leaves, is_leaf=is_var)
         values = self._values(leaves, p_def)
         opt_state = self.tx.init(values)
         outer, names = _layout(opt_state, values)
@@ -93,7 +93,7 @@ class _OptaxOptimizer(Optimizer):
                 "from_optax(...).init: fused=True packs the slots of varstate's own optimizers; an optax "
                 "transformation is fused by optax itself: from_optax(optax.flatten(optax.adam(...)))."
             )
-        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
+        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
         p_leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         values = self._values(p_leaves, p_def)
         opt_state = self.tx.init(values)
@@ -110,11 +110,11 @@ class _OptaxOptimizer(Optimizer):
                     # Copied: an optax state may hold the params' own arrays, and both are donated.
                     made.append(kept if kept is not None else None if s is None else
                                 make_slot(p, name, s) if isinstance(p, Variable) else s)
-                slots[name] = p_def.unflatten([made[i] for i in _owners(p_leaves)])
+                slots[name] = p_def.unflatten([made[i] for i in owner_positions(p_leaves)])
             elif name in existing.non_slots:
                 non_slots[name] = existing.non_slots[name]
             else:
-                placement = _scalar_placement(first)  # replicated over the first variable's mesh, as the base's
+                placement = scalar_placement(first)  # replicated over the first variable's mesh, as the base's
                 part = part if placement is None else jax.device_put(part, placement)
                 non_slots[name] = Variable(part, name=name, trainable=False, registry=registry)
         return OptimizerState(slots=slots, non_slots=non_slots)
@@ -136,18 +136,18 @@ class _OptaxOptimizer(Optimizer):
         (0.25, [-0.75, -0.75])
         """
         del step  # optax transformations count their own steps
-        p_leaves, g_leaves, p_def, paths = _flatten_grads(grads, params)
+        p_leaves, g_leaves, p_def, paths = flatten_grads(grads, params)
         values = self._values(p_leaves, p_def)
         v_leaves = p_def.flatten_up_to(values)
-        owners = _owners(p_leaves)
+        owners = owner_positions(p_leaves)
         summed: dict[int, Any] = {}  # a tied variable's gradients add up at its first place
         for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
             v = v_leaves[owners[i]]
             if v is None or g is None:
                 continue
-            g = _convert_grad(g, v, _label(paths[i], p))
+            g = convert_grad(g, v, path_label(paths[i], p))
             if isinstance(g, IndexedSlices):
-                _check_indices_range(g.indices, v.shape[0], _label(paths[i], p))
+                check_indices_range(g.indices, v.shape[0], path_label(paths[i], p))
                 g = IndexedSlices(g.values, g.indices, v.shape).to_dense()
             summed[owners[i]] = g if owners[i] not in summed else summed[owners[i]] + g
         # TF skips a variable without gradient: feed zeros, then keep its old value and slots.
@@ -169,7 +169,7 @@ class _OptaxOptimizer(Optimizer):
         for name, is_slot in names:
             if is_slot:
                 parts.append(p_def.unflatten([
-                    None if v is None else _value(s) for s, v in zip(slot_leaves[name], v_leaves, strict=True)
+                    None if v is None else array_of(s) for s, v in zip(slot_leaves[name], v_leaves, strict=True)
                 ]))
             else:
                 parts.append(state.non_slots[name]._value)
@@ -182,7 +182,7 @@ class _OptaxOptimizer(Optimizer):
             if v is None or i in skipped:
                 new_p.append(p)
                 continue
-            new_v = _like((v + u).astype(v.dtype), v)
+            new_v = cast_like((v + u).astype(v.dtype), v)
             new_p.append(p._with_value(new_v) if isinstance(p, Variable) else new_v)
         new_p = [new_p[i] for i in owners]
         slots, non_slots = {}, {}
@@ -190,7 +190,7 @@ class _OptaxOptimizer(Optimizer):
             if is_slot:
                 old = p_def.flatten_up_to(state.slots[name])
                 new = p_def.flatten_up_to(part)
-                new = [n if n is None or v is None else _like(n, v) for n, v in zip(new, v_leaves, strict=True)]
+                new = [n if n is None or v is None else cast_like(n, v) for n, v in zip(new, v_leaves, strict=True)]
                 made = [
                     o if o is None or n is None or i in skipped else o._with_value(n) if isinstance(o, Variable) else n
                     for i, (o, n) in enumerate(zip(old, new, strict=True))

@@ -8,9 +8,9 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from varstate.optimizers._base import Hyper, Optimizer
+from varstate.optimizers._core._base import Hyper, Optimizer
+from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
 from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _one_element_rows
-from varstate.optimizers._rows import as_dtype, gather_rows, set_rows
 
 
 @dataclasses.dataclass(frozen=True)

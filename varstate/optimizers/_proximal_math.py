@@ -10,7 +10,7 @@ result is stored as float. JAX has no float64 unless ``jax_enable_x64`` is
 on, so for float32 variables those steps are done in pairs of float32 (an
 unevaluated sum hi + lo, exact or nearly) and rounded once at the end. That is
 TF's float on every one of 10^6 random inputs, under jit and op by op
-(tests/varstate/test_v1_family.py checks a sample); it could differ only where
+(tests/varstate/optimizers/test_v1_family.py checks a sample); it could differ only where
 the exact result lies within about 2^-20 ulp of a float32 rounding boundary.
 """
 

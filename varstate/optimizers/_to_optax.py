@@ -12,13 +12,13 @@ import numpy as np
 from varstate._jax_compat import Tracer
 from varstate._registry import Registry
 from varstate._variable import Variable, owning_variable
-from varstate.optimizers._matching import _is_var, _value
-from varstate.optimizers._state import OptimizerState
+from varstate.optimizers._core._matching import array_of, is_var
+from varstate.optimizers._core._state import OptimizerState
 
 if TYPE_CHECKING:
     # Not imported at run time: Optimizer.to_optax imports this module (an import cycle otherwise). Optimizers
     # whose initial state is not made of constants (from_optax, LossScaleOptimizer) say so by `_initial_arrays`.
-    from varstate.optimizers._base import Optimizer
+    from varstate.optimizers._core._base import Optimizer
 
 
 class TFOptimizerState(NamedTuple):
@@ -36,8 +36,8 @@ class TFOptimizerState(NamedTuple):
 
 def _leaves(params: Any) -> tuple[list, Any]:
     """The param leaves as plain arrays (a varstate Variable by its value), and their treedef."""
-    leaves, treedef = jax.tree.flatten(params, is_leaf=_is_var)
-    return [_value(x) for x in leaves], treedef
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_var)
+    return [array_of(x) for x in leaves], treedef
 
 
 def _initial(opt: Optimizer, leaves: list) -> tuple[dict[str, list], dict[str, Any]]:
@@ -68,7 +68,7 @@ def _initial(opt: Optimizer, leaves: list) -> tuple[dict[str, list], dict[str, A
 
 
 def _arrays(state: OptimizerState) -> tuple[dict[str, list], dict[str, Any]]:
-    return ({name: [_value(s) for s in tree] for name, tree in state.slots.items()},
+    return ({name: [array_of(s) for s in tree] for name, tree in state.slots.items()},
             {name: v.value for name, v in state.non_slots.items()})
 
 
@@ -148,8 +148,8 @@ def to_optax(opt: Optimizer) -> Any:
                 f"to_optax({type(opt).__name__}).update needs params (optax's third argument): TF's optimizers "
                 "compute each new value from the old one. Call tx.update(grads, state, params)."
             )
-        p_vars, treedef = jax.tree.flatten(params, is_leaf=_is_var)
-        old = [_value(x) for x in p_vars]
+        p_vars, treedef = jax.tree.flatten(params, is_leaf=is_var)
+        old = [array_of(x) for x in p_vars]
         grads = treedef.flatten_up_to(updates)
         given = OptimizerState(
             slots={name: treedef.flatten_up_to(tree) for name, tree in state.slots.items()},
@@ -162,7 +162,7 @@ def to_optax(opt: Optimizer) -> Any:
         ]
         out = TFOptimizerState(
             count=state.count + 1,
-            slots={name: treedef.unflatten([_value(s) for s in made]) for name, made in new_state.slots.items()},
+            slots={name: treedef.unflatten([array_of(s) for s in made]) for name, made in new_state.slots.items()},
             non_slots={name: v._value for name, v in new_state.non_slots.items()},
         )
         return treedef.unflatten(deltas), out

@@ -300,7 +300,7 @@ def test_function_files_carry_no_paths_of_the_exporting_machine(exported):
 
 
 def test_names_from_the_file_stay_inside_the_export(exported, tmp_path, capsys):
-    import checkpoint._cli as cli
+    import checkpoint._cli._main as cli
 
     name, _ = _function_file(exported)
 

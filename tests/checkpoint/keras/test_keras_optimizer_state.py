@@ -16,7 +16,7 @@ import pytest
 
 import checkpoint
 import varstate
-from checkpoint import keras
+from checkpoint.keras import _weights as keras
 from varstate.optimizers import keras as keras_opt
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data", "keras_optimizers")
@@ -229,7 +229,7 @@ def test_tf_keras2_errors(tmp_path):
 def test_weights_h5_round_trip(tmp_path):
     # Keras trains 3 steps, saves weights + Adam(amsgrad) state; varstate reads it, takes 2 steps op by op (equal to
     # Keras's own 2 steps, bit for bit), writes it back; Keras's model.load_weights reads exactly those values.
-    from checkpoint._keras_optimizer import _trainable, h5_values
+    from checkpoint.keras._optimizer import _trainable, h5_values
 
     opt, weights, state = SCRIPT.ours_continue_h5(STEPS, str(tmp_path / "ours.weights.h5"))
     assert list(weights) == ["dense", "bn", "out"] and weights["bn"]["moving_mean"].trainable is False
@@ -252,7 +252,7 @@ def test_weights_h5_round_trip(tmp_path):
 
 
 def test_keras_archive_optimizer_state():
-    from checkpoint._keras_optimizer import h5_values
+    from checkpoint.keras._optimizer import h5_values
 
     opt = keras_opt.Adam(0.01, amsgrad=True)
     weights, state = keras.load_optimizer_state(os.path.join(DATA, "keras3_h5", "adam.keras"), opt)

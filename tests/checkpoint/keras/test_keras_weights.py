@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import varstate
-from checkpoint import CheckpointFormatError, keras, write_name_based
+from checkpoint import CheckpointFormatError, write_name_based
 from checkpoint._storage import write_bundle
+from checkpoint.keras import _weights as keras
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data", "keras_weights")
@@ -440,7 +441,7 @@ def test_crafted_nesting_and_archive_expansion_are_refused(tmp_path, monkeypatch
     with pytest.raises(CheckpointFormatError, match="the object graph nests more than 100 levels below a layer"):
         keras.load_weights(_write(str(tmp_path / "chain"), chain))
 
-    from checkpoint import _keras_read  # where the readers and their bounds live
+    from checkpoint.keras import _read as _keras_read  # where the readers and their bounds live
 
     monkeypatch.setattr(_keras_read, "_BOMB_FLOOR_BYTES", 1000)
     monkeypatch.setattr(_keras_read, "_BOMB_MAX_RATIO", 10)

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import checkpoint
-import checkpoint._cli as cli
+import checkpoint._cli._main as cli
 import varstate
 from checkpoint._storage._orbax_native import OrbaxTreeReader
 

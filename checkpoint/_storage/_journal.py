@@ -1,0 +1,114 @@
+"""`CheckpointManager`'s journal: ``checkpoint_manager.json`` beside the state file, and the metrics it keeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from checkpoint._errors import CheckpointFormatError
+from checkpoint._storage._files import sync_directory, sync_file
+from checkpoint._storage._publish import MANAGER_FILE
+
+_JOURNAL_FORMAT = "varstate-checkpoint-manager"
+_JOURNAL_LIMIT = 64 << 20  # bytes; metrics of 100,000 checkpoints are a few MB
+
+
+def checked_metrics(metrics: Any) -> dict[str, Any] | None:
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise ValueError(
+            f"CheckpointManager.save: metrics must be a dict of str to numbers, got {type(metrics).__name__}. "
+            "The keyword 'metrics' is reserved for them: save a root of that name under another name."
+        )
+    out = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise ValueError(f"CheckpointManager.save: metric names must be str, got {name!r}.")
+        arr = np.asarray(value)
+        if arr.shape != () or arr.dtype.kind not in "biuf":
+            raise ValueError(
+                f"CheckpointManager.save: metrics[{name!r}] must be a real number, got {value!r}; pass a scalar "
+                "(e.g. float(loss))."
+            )
+        out[name] = arr.item()
+    return out
+
+
+def _numbers(m: Any) -> bool:
+    return isinstance(m, dict) and all(isinstance(k, str) and type(v) in (int, float, bool) for k, v in m.items())
+
+
+class Journal:
+    """``checkpoint_manager.json`` beside the state file: metrics of kept checkpoints, and saves in flight.
+
+    ``{"metrics": {name: {metric: number}}, "saving": {name: {"since": time,
+    "metrics": ... or null, "replaces": bool}}}``, by checkpoint name. A save
+    is entered under "saving" before its checkpoint is moved into place and
+    leaves it once recorded; a name still there afterwards is a save that was
+    killed: its checkpoint, if listed in the state file, committed (with
+    those metrics), else it is an orphan that the next save deletes (unless
+    it replaced a checkpoint that was there unlisted). The file exists only
+    while it holds something.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, MANAGER_FILE)
+        self.metrics: dict[str, dict[str, Any]] = {}
+        self.saving: dict[str, dict[str, Any]] = {}
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read(_JOURNAL_LIMIT + 1)
+        except FileNotFoundError:
+            return
+        try:
+            if len(text) > _JOURNAL_LIMIT:
+                raise ValueError(f"larger than {_JOURNAL_LIMIT} bytes")
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("format") != _JOURNAL_FORMAT:
+                raise ValueError(f"expected an object with format {_JOURNAL_FORMAT!r}")
+            if type(data.get("version")) is not int or data["version"] > 1:
+                raise ValueError(f"version {data.get('version')!r}; this reader knows version 1")
+            metrics, saving = data.get("metrics", {}), data.get("saving", {})
+            if not isinstance(metrics, dict) or not isinstance(saving, dict):
+                raise ValueError("its 'metrics' or 'saving' is not an object")
+            for name, m in metrics.items():
+                if not _numbers(m):
+                    raise ValueError(f"the metrics of {name!r} are not an object of numbers")
+            for name, entry in saving.items():
+                if not isinstance(entry, dict) or type(entry.get("since")) not in (int, float) or not (
+                        entry.get("metrics") is None or _numbers(entry["metrics"])) or type(
+                        entry.get("replaces", False)) is not bool:
+                    raise ValueError(f"the save in flight {name!r} is not {{'since': time, 'metrics': ..., "
+                                     "'replaces': bool}")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointFormatError(
+                f"{self.path}: not a CheckpointManager file ({e}). Delete it to forget the metrics; the "
+                "checkpoints themselves are unaffected."
+            ) from None
+        self.metrics, self.saving = metrics, saving
+
+    def store(self) -> None:
+        directory = os.path.dirname(self.path)
+        if not self.metrics and not self.saving:
+            if os.path.exists(self.path):
+                os.remove(self.path)
+                sync_directory(directory)
+            return
+        data = {"format": _JOURNAL_FORMAT, "version": 1, "metrics": self.metrics, "saving": self.saving}
+        # Written beside and renamed over, as the state file: a reader sees the old file or the new one.
+        temp = os.path.join(directory, f".{MANAGER_FILE}.tmp-{secrets.token_hex(8)}")
+        try:
+            with open(temp, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+                sync_file(f)
+            os.replace(temp, self.path)
+            sync_directory(directory)
+        finally:
+            if os.path.exists(temp):
+                os.remove(temp)

@@ -1,0 +1,449 @@
+"""`Optimizer`: the base of TF-style optimizers as immutable configs with pure updates.
+
+How a step runs (TF's `Optimizer.apply_gradients`, functionally): each param
+leaf is paired with its gradient leaf; None gradients and non-trainable
+Variables are skipped (`_matching`); a dense gradient goes to `_dense`, an
+`IndexedSlices` to `_sparse` (after summing duplicate indices, as TF's
+`_deduplicate_indexed_slices`, unless the subclass sets `_dedup = False`);
+then `_finish` updates the non-slot variables once (Adam's beta powers).
+`apply_gradients` runs that step jitted, with donation (`_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from varstate._indexed_slices import IndexedSlices
+from varstate._variable import Variable, owning_variable
+from varstate.optimizers._core import _packed, _step
+from varstate.optimizers._core._matching import (
+    array_of,
+    cast_like,
+    flatten_grads,
+    gradients_by_owner,
+    is_var,
+    owner_positions,
+)
+from varstate.optimizers._core._messages import checked_new
+from varstate.optimizers._core._rows import _dedupe
+from varstate.optimizers._core._slots import (
+    Existing,
+    check_non_slots,
+    check_slots,
+    filled_slot,
+    param_want,
+    scalar_placement,
+)
+from varstate.optimizers._core._state import OptimizerState
+
+Hyper = float | Callable[[Any], Any]  # a hyperparameter: a float or a callable of the step
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """Base of all optimizers: an immutable, hashable config; state lives in `OptimizerState`.
+
+    Public API:
+
+    - ``init(params, state=None) -> OptimizerState``: creates slot Variables
+      (named ``<primary>/<slot>``, linked to the primary by resource id, with
+      its dtype and sharding) and non-slot Variables; given a `state`, keeps
+      what it holds for these params and creates the rest. Call it outside jit.
+    - ``update(grads, params, state, step=None, **extra_args) -> (params, state)``:
+      the pure, un-jitted step; use it inside your own ``jax.jit`` (a wrapper
+      such as a loss-scale optimizer calls this). The TF optimizers take no
+      extra arguments (TypeError naming the first).
+    - ``apply_gradients(grads, params, state, step=None, *, global_step=None,
+      **extra_args)``: ``update`` under ``jax.jit`` with ``params`` and
+      ``state`` donated; each config compiles once per structure (identities
+      aside: a freshly built model of the same shapes reuses the step). With
+      ``global_step`` it returns ``(params, state, global_step)``, the counter
+      incremented in the same step.
+
+    ``params`` is a pytree whose leaves are Variables or plain arrays. A plain
+    array param is updated too; its slots are plain arrays (there is no
+    resource to link a slot Variable to). ``grads`` has params' structure; a leaf is an array, a Variable,
+    an `IndexedSlices` or None (skipped, as are non-trainable Variables).
+    Hyperparameters are floats or callables ``f(step)``; a callable needs
+    ``step=`` (e.g. the global step's value). Arithmetic runs in the
+    variable's dtype with hyperparameters rounded to float32 first, as TF's
+    kernels do. `IndexedSlices` indices are range-checked while concrete
+    (``apply_gradients``, or ``update`` outside jit); inside a caller's jit
+    out-of-range rows are dropped, as `Variable.scatter_add` does.
+
+    Subclass contract (all on array values, inside the traced step):
+
+    - ``_slot_inits() -> {slot name: fill value}`` and
+      ``_non_slot_inits() -> {name: float32 initial value}``;
+    - ``_dense(h, grad, var, slots, non_slots) -> (var, slots)`` and
+      ``_sparse(h, values, indices, var, slots, non_slots) -> (var, slots)``
+      where ``h`` maps hyperparameter names to resolved values, ``slots`` maps
+      slot names to arrays; sparse indices are unique, padded with an
+      out-of-range row (see `gather_rows` / `set_rows`), unless
+      ``_dedup = False`` (then raw indices, duplicates included);
+    - ``_finish(h, non_slots) -> non_slots`` runs once per step.
+
+    A wrapper overrides ``init``/``update`` and delegates to an inner optimizer;
+    its ``update`` raises the `StateMismatchError` of ``check_slots`` /
+    ``check_non_slots`` (``_slots.py``) for state it lacks, and its ``init``
+    takes ``state`` to create it, so ``apply_gradients`` can.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> from varstate.optimizers import GradientDescent
+    >>> w = varstate.Variable(jnp.array([1.0, 2.0]), name="w")
+    >>> opt = GradientDescent(0.5)
+    >>> state = opt.init({"w": w})
+    >>> params, state = opt.apply_gradients({"w": jnp.array([1.0, 1.0])}, {"w": w}, state)
+    >>> params["w"].value.tolist(), params["w"].resource_id == w.resource_id
+    ([0.5, 1.5], True)
+    """
+
+    _dedup: ClassVar[bool] = True
+    _hyper_names: ClassVar[tuple[str, ...]] = ()
+    # A misspelled keyword (beta_1, lr) raises a TypeError naming the closest fields, not dataclass's bare one.
+    __new__ = checked_new
+
+    def __post_init__(self) -> None:
+        for name in self._hyper_names:
+            x = getattr(self, name)
+            if callable(x):
+                continue
+            # Arrays are unhashable; a config must be a static jit argument.
+            try:
+                x = float(np.asarray(x))
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"{type(self).__name__}: {name} must be a float or a callable of the step, "
+                    f"got {type(x).__name__} {x!r:.40}."
+                ) from None
+            object.__setattr__(self, name, x)
+
+    # --- subclass hooks -------------------------------------------------
+    def _slot_inits(self) -> dict[str, float]:
+        return {}
+
+    def _non_slot_inits(self) -> dict[str, float]:
+        return {}
+
+    def _dense(self, h, grad, var, slots, non_slots):
+        raise NotImplementedError
+
+    def _sparse(self, h, values, indices, var, slots, non_slots):
+        raise NotImplementedError
+
+    def _finish(self, h, non_slots):
+        return non_slots
+
+    # --- public API -----------------------------------------------------
+    def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
+             fused: bool | None = None) -> OptimizerState:
+        """Slots for every trainable param and the non-slot variables (call outside jit).
+
+        With `state`, keeps the state's slots for these params (found by the
+        primary's identity; a plain-array param's by position) and its
+        non-slots, and creates the missing ones with their initial values, as
+        TF's optimizers create a slot only where none exists. `apply_gradients`
+        does this itself when params arrive without state (a re-created model);
+        a caller of `update` under its own jit calls it first. A kept slot whose
+        shape or dtype does not fit its param is a ValueError naming both.
+
+        `stepped` says which params have been stepped, as TF creates a slot
+        only for a variable that gets a gradient: a pytree of bools with the
+        structure of params (or a prefix of it: one bool for a subtree), or a
+        callable of a param's path (its keys joined by ``/``, e.g.
+        ``"dense/kernel"``) returning a bool. A param marked False gets no slots
+        (None in ``state.slots``) until a step gives it a gradient; then
+        `apply_gradients` creates them with their initial values, as TF does.
+        So a TF checkpoint in which some variables never got a gradient
+        restores into ``opt.init(params, stepped=...)`` with every slot
+        matched. Default: every trainable param.
+
+        `fused=True` packs the slots of small params (up to 4,096 elements,
+        trainable, on one device or replicated) into one buffer per dtype and
+        sharding, and each step updates a buffer with one computation: for
+        many small tensors that is several times faster
+        (``benchmarks/optimizers.py``), with the same numbers as the unfused
+        step (bit for bit, or within 1 ulp per step for RMSProp, Lion and
+        Nadam). Everything else still sees
+        per-variable slots (``state.slots``, `get_slot`, checkpoint keys,
+        restore). Default: the given state's layout, else unfused.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> from varstate.optimizers import Momentum
+        >>> w = varstate.Variable(jnp.zeros(2), name="dense/kernel")
+        >>> state = Momentum(0.1, momentum=0.9).init([w])
+        >>> state.slots["momentum"][0].name
+        'dense/kernel/momentum'
+        >>> b = varstate.Variable(jnp.zeros(3), name="dense/bias")
+        >>> grown = Momentum(0.1, momentum=0.9).init([w, b], state)
+        >>> grown.get_slot(w, "momentum") is state.get_slot(w, "momentum"), grown.get_slot(b, "momentum").name
+        (True, 'dense/bias/momentum')
+        >>> fresh = Momentum(0.1, momentum=0.9).init({"w": w, "b": b}, stepped={"w": True, "b": False})
+        >>> fresh.get_slot(b, "momentum") is None, fresh.slots["momentum"]["b"]
+        (True, None)
+        """
+        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
+        leaves, paths = [x for _, x in flat], [p for p, _ in flat]
+        owners = owner_positions(leaves)
+        existing = Existing(state, p_def, paths)
+        wanted = _stepped_mask(stepped, params, paths, owners)
+        slots = {}
+        for slot_name, fill in self._slot_inits().items():
+            made = []
+            for i, p in enumerate(leaves):
+                if isinstance(p, Variable) and not p.trainable:
+                    made.append(None)
+                elif owners[i] != i:  # a shared variable (tied weights): one slot, at every place
+                    made.append(made[owners[i]])
+                else:
+                    kept = existing.get(slot_name, i, p)
+                    if kept is None and wanted[i]:
+                        kept = filled_slot(p, slot_name, fill)
+                    made.append(kept)  # None: not stepped yet, so no slot (TF makes none either)
+            slots[slot_name] = p_def.unflatten(made)
+        for name in existing.names:  # another optimizer's slots: carried as they are
+            slots.setdefault(name, state.slots[name])
+        non_slots = dict(existing.non_slots)
+        first = next((p for p in leaves if isinstance(p, Variable)), None)
+        registry = first.handle.registry if first is not None else None
+        placement = scalar_placement(first)
+        for name, value in self._non_slot_inits().items():
+            if name not in non_slots:
+                value = jnp.asarray(value, jnp.float32, device=placement)
+                non_slots[name] = owning_variable(value, name=name, trainable=False, registry=registry)
+        if fused is None:
+            fused = state is not None and state.fused
+        names = list(self._slot_inits())
+        if not fused or not names:
+            return OptimizerState(slots=slots, non_slots=non_slots)
+        stored, packed = _packed.pack(slots, names, leaves, p_def, owners)
+        return OptimizerState(stored, non_slots, packed)
+
+    def hyperparameters(self, step: Any = None) -> dict[str, Any]:
+        """Hyperparameter values at `step` (callables are called with it).
+
+        >>> from varstate.optimizers import GradientDescent
+        >>> GradientDescent(lambda step: 0.1 / (1 + step)).hyperparameters(step=1)["learning_rate"]
+        0.05
+        """
+        out = {}
+        for name in self._hyper_names:
+            x = getattr(self, name)
+            if callable(x):
+                if step is None:
+                    raise TypeError(
+                        f"{type(self).__name__}.{name} is a callable of the step, but no step was given: "
+                        "pass step= to apply_gradients/update (e.g. step=global_step.value)."
+                    )
+                x = x(step)
+            out[name] = x
+        return out
+
+    def update(
+        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
+    ) -> tuple[Any, OptimizerState]:
+        """One pure step (no jit, no donation): returns new params and state.
+
+        `extra_args` are for optimizers whose step needs more inputs (an optax
+        transform's ``value=``); the built-in TF optimizers take none and raise
+        a TypeError naming the argument.
+
+        >>> import jax, jax.numpy as jnp
+        >>> from varstate.optimizers import GradientDescent
+        >>> opt = GradientDescent(0.1)
+        >>> p = {"w": jnp.ones(2)}
+        >>> new_p, _ = jax.jit(opt.update)({"w": jnp.ones(2)}, p, opt.init(p))
+        >>> new_p["w"].tolist()
+        [0.8999999761581421, 0.8999999761581421]
+        """
+        if extra_args:
+            self._refuse_extra_args(extra_args)
+        p_leaves, g_leaves, p_def, paths = flatten_grads(grads, params)
+        owners = owner_positions(p_leaves)
+        slot_names = list(self._slot_inits())
+        work = gradients_by_owner(p_leaves, g_leaves, paths, owners)
+        held: dict[str, list] = {}
+
+        def want(i, n):  # every trainable param has its slots (init's rule), except one never stepped
+            p = p_leaves[i]
+            if isinstance(p, Variable) and not p.trainable:
+                return None
+            if i not in work:  # no gradient now: a param without slots (init's stepped=False) keeps none
+                if n not in held:
+                    held[n] = p_def.flatten_up_to(state.slots[n])  # check_slots has checked the structure
+                if held[n][i] is None:
+                    return None
+            return param_want(p)
+
+        slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
+        check_non_slots(state, self._non_slot_inits())
+        non_slots = {k: v._value for k, v in state.non_slots.items()}
+        if isinstance(step, Variable):
+            step = step.read_value()
+        h = self.hyperparameters(step)
+        new_p = list(p_leaves)
+        # A fused state's packed places keep their markers; the buffers are updated by group (_packed).
+        stored = {n: state._stored[n].leaves() if n in state.packed else slot_leaves[n] for n in slot_names}
+        new_slots = {n: list(stored[n]) for n in slot_names}
+        packed = {n: state.packed[n] for n in slot_names if n in state.packed}
+        fused_values: dict = {}
+        if packed and len(packed) == len(slot_names):
+            fused_values, packed = _packed.fused_step(
+                self, h, work, p_leaves, stored[slot_names[0]], owners, packed, non_slots)
+        for i, g in work.items():
+            p = p_leaves[i]
+            if i in fused_values:
+                var = cast_like(fused_values[i], array_of(p))
+                new_p[i] = p._with_value(var) if isinstance(p, Variable) else var
+                continue
+            var = array_of(p)
+            slots = {n: array_of(slot_leaves[n][i]) for n in slot_names}
+            if isinstance(g, IndexedSlices):
+                values, indices = g.values, g.indices
+                if self._dedup:
+                    values, indices = _dedupe(values, indices, var.shape[0])
+                var, slots = self._sparse(h, values, indices, var, slots, non_slots)
+            else:
+                var, slots = self._dense(h, g, var, slots, non_slots)
+            var = cast_like(var, array_of(p))
+            new_p[i] = p._with_value(var) if isinstance(p, Variable) else var
+            mark = stored[slot_names[0]][i] if slot_names else None
+            if isinstance(mark, _packed.PackedSlot):  # a sparse step of a packed param: into its slices
+                packed = _packed.write_back(packed, mark, slots)
+                continue
+            for n in slot_names:
+                s, value = slot_leaves[n][i], cast_like(slots[n], array_of(p))
+                new_slots[n][i] = s._with_value(value) if isinstance(s, Variable) else value
+        for j, i in enumerate(owners):
+            if i != j and i in work:
+                new_p[j] = new_p[i]
+                for n in slot_names:
+                    new_slots[n][j] = new_slots[n][i]
+        non_slots = self._finish(h, non_slots)
+        state = OptimizerState(
+            # Slots of another optimizer's (kept by init(params, state)) pass through untouched.
+            {**state._stored, **{n: _packed.rebuild(p_def, new_slots[n], state._stored[n]) for n in slot_names}},
+            {k: v._with_value(non_slots[k]) for k, v in state.non_slots.items()},
+            {**state.packed, **packed},
+        )
+        return p_def.unflatten(new_p), state
+
+    def apply_gradients(
+        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, *, global_step: Any = None,
+        **extra_args: Any,
+    ) -> tuple:
+        """`update` under jit with `params` and `state` donated (their old buffers are deleted).
+
+        Returns ``(params, state)``; with ``global_step=`` (the global step
+        Variable, `varstate.get_or_create_global_step()`) it also increments
+        that counter by one in the same jitted step and returns
+        ``(params, state, global_step)``, as TF v1's
+        ``apply_gradients(global_step=...)`` does (the given version is donated
+        too). Unless ``step=`` is given, hyperparameters that are callables of
+        the step then see the global step's value before the increment.
+        `extra_args` (e.g. ``value=loss``) reach `update` as traced arguments.
+
+        The jit runs over the arrays only; its key is the structure without
+        identity, so a freshly built model with the same structure and shapes
+        reuses the compiled step, and the outputs get the caller's identities.
+
+        Every new param, and its slots, keeps the param's sharding whatever
+        the gradient's (TF updates a variable on its device; the donated
+        buffers are then reused). Params without state (a re-created model, a
+        state made for another model) get their slots and non-slots created
+        with initial values first, outside jit (`init(params, state)`), as TF's
+        optimizers create missing slots. Reading a version given to a step
+        raises `varstate.DonatedVariableError`: use the returned ones.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> from varstate.optimizers import Adam
+        >>> w = varstate.Variable(jnp.zeros(3), name="w")
+        >>> opt = Adam(0.1)
+        >>> state = opt.init([w])
+        >>> (w,), state = opt.apply_gradients([jnp.ones(3)], [w], state)
+        >>> [round(x, 4) for x in w.value.tolist()], round(state.non_slot("beta1_power").value.item(), 4)
+        ([-0.1, -0.1, -0.1], 0.81)
+        >>> gs = varstate.get_or_create_global_step(varstate.Registry())
+        >>> (w,), state, gs = opt.apply_gradients([jnp.ones(3)], [w], state, global_step=gs)
+        >>> int(gs.value)
+        1
+        """
+        if extra_args and type(self).update is Optimizer.update:
+            self._refuse_extra_args(extra_args)  # before the trace: nothing donated, no JAX frames in the message
+        return _step.apply_jitted(self, grads, params, state, step, global_step, extra_args)
+
+    def _refuse_extra_args(self, extra_args: dict) -> None:
+        """TypeError naming the first extra argument: the TF optimizers' update takes none."""
+        name = type(self).__name__
+        raise TypeError(
+            f"{name}.update() got an unexpected keyword argument {next(iter(extra_args))!r}: {name} takes grads, "
+            "params, state and step only (extra keyword arguments of apply_gradients/update are for optimizers "
+            "whose update accepts them, e.g. from_optax)."
+        )
+
+    def to_optax(self) -> Any:
+        """This optimizer as an optax ``GradientTransformationExtraArgs`` with TF's numerics (`to_optax`).
+
+        >>> import jax.numpy as jnp, optax
+        >>> from varstate.optimizers import GradientDescent
+        >>> tx = GradientDescent(0.5).to_optax()
+        >>> params = {"w": jnp.array([1.0, 2.0])}
+        >>> updates, _ = tx.update({"w": jnp.array([1.0, 1.0])}, tx.init(params), params)
+        >>> optax.apply_updates(params, updates)["w"].tolist()
+        [0.5, 1.5]
+        """
+        from varstate.optimizers._to_optax import to_optax
+
+        return to_optax(self)
+
+
+def _path_name(path: tuple) -> str:
+    """A param's key path as ``stepped=``'s callable sees it: its keys joined by ``/`` (``dense/kernel``)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _stepped_mask(stepped: Any, params: Any, paths: list, owners: list[int]) -> list[bool]:
+    """`init`'s ``stepped=`` as one bool per param leaf (True: make its slots)."""
+    if stepped is None:
+        return [True] * len(paths)
+    if callable(stepped):
+        flags = [stepped(_path_name(path)) for path in paths]
+        where = [f"stepped({_path_name(path)!r})" for path in paths]
+    else:
+        is_flag = lambda x: isinstance(x, (bool, np.bool_))
+        m_leaves, m_def = jax.tree_util.tree_flatten(stepped, is_leaf=is_flag)
+        try:
+            subtrees = m_def.flatten_up_to(params)
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"Optimizer.init: stepped= must be a pytree of bools with the structure of params (or a prefix "
+                f"of it), or a callable of a param's path; got {type(stepped).__name__} with structure {m_def}, "
+                f"params have {jax.tree_util.tree_structure(params, is_leaf=is_var)}."
+            ) from None
+        flags, where = [], []
+        for m, sub in zip(m_leaves, subtrees, strict=True):
+            n = len(jax.tree_util.tree_leaves(sub, is_leaf=is_var))
+            flags += [m] * n
+            where += [f"stepped{jax.tree_util.keystr(path)}" for path in paths[len(where):len(where) + n]]
+    for f, w in zip(flags, where, strict=True):
+        if not isinstance(f, (bool, np.bool_)):
+            raise TypeError(f"Optimizer.init: {w} must be a bool (True: the param has been stepped), "
+                            f"got {type(f).__name__} {f!r:.40}.")
+    flags = [bool(f) for f in flags]
+    for j, i in enumerate(owners):  # tied weights share one slot: it exists if any place was stepped
+        flags[i] = flags[i] or flags[j]
+    return flags

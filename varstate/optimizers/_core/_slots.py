@@ -1,0 +1,192 @@
+"""Where optimizer state lives: slot Variables beside their primaries, non-slot scalars with the first.
+
+A slot (TF's `slot_creator`) is a non-trainable Variable named
+``<primary name>/<slot name>``, in the primary's registry, with its shape,
+dtype and sharding, linked to it by resource id so that checkpoints file it
+under the primary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from varstate._registry import outside_name_scopes
+from varstate._variable import Variable, owning_variable
+from varstate.optimizers._core._matching import array_of, path_label
+
+
+def make_slot(primary: Variable, slot_name: str, value: Any, *, fresh: bool = False) -> Variable:
+    """A slot Variable for `primary` (TF's `_create_slot_var`), linked by resource id.
+
+    Named ``<primary name>/<slot name>``, non-trainable, in the primary's
+    registry; a shard's slot gets the shard's slice of a full slot named
+    ``<full name>/<slot name>``. `value` is copied (it may be another array's
+    buffer, e.g. an optax state holding the params) unless `fresh`: made for
+    this slot alone.
+    """
+    info = primary.save_slice_info
+    if info is not None:
+        info = type(info)(f"{info.full_name}/{slot_name}", info.full_shape, info.var_offset, info.var_shape)
+    registry = primary._handle.registry
+    with outside_name_scopes():  # the primary's name has its scope already
+        make = owning_variable if fresh else Variable
+        slot = make(value, name=f"{primary.name}/{slot_name}", trainable=False, save_slice_info=info,
+                    registry=registry)
+    slot._handle.slot_of = primary.resource_id
+    slot._handle.slot_name = slot_name
+    return slot
+
+
+def scalar_placement(first: Variable | None) -> Any:
+    """Where a non-slot scalar lives: with the first variable (TF colocates it), replicated over its mesh."""
+    sharding = getattr(first, "sharding", None) if first is not None else None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    return None
+
+
+def filled_slot(p: Any, slot_name: str, fill: float) -> Any:
+    value = array_of(p)
+    sharding = getattr(value, "sharding", None)
+    if isinstance(value, jax.ShapeDtypeStruct):
+        raise ValueError(
+            f"Optimizer.init: {p.name!r} is uninitialized; initialize or restore it before creating slots."
+        )
+    slot_value = jnp.full(value.shape, fill, value.dtype, device=sharding)
+    return make_slot(p, slot_name, slot_value, fresh=True) if isinstance(p, Variable) else slot_value
+
+
+# --- a state that does not belong to the params ---------------------------------------------------------------
+class StateMismatchError(ValueError):
+    """The state lacks (or misfiles) state for some params; `apply_gradients` then calls `init(params, state)`.
+
+    Raised by `update` while the step is traced, where no Variable can be
+    created; the message tells a caller of `update` what to do.
+    """
+
+
+def _slot_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, Variable)
+
+
+def fit_error(slot_name: str, slot: Any, label: str, want: tuple) -> str | None:
+    """Why `slot` cannot be the slot `slot_name` of the param `label`, which needs `want` (shape, dtype); else None."""
+    v = array_of(slot)
+    shape, dtype = tuple(want[0]), want[1]
+    if tuple(v.shape) == shape and v.dtype == dtype:
+        return None
+    what = f"{slot.name!r}" if isinstance(slot, Variable) else "the plain array there"
+    return (
+        f"the optimizer state does not fit the params: slot {slot_name!r} of {label} is {what} with shape "
+        f"{tuple(v.shape)} and dtype {v.dtype}, but the param needs shape {shape} and dtype {dtype}. "
+        "Make a state for these params with opt.init(params), or restore the state saved with them."
+    )
+
+
+def param_want(p: Any) -> tuple:
+    """What a slot of `p` must be: the param's own shape and dtype (every built-in optimizer's slots)."""
+    v = array_of(p)
+    return tuple(v.shape), v.dtype
+
+
+def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list, owners: list[int], want) -> dict:
+    """{slot name: the slot leaves in params' order}, checked while the step is traced.
+
+    Each param at leaf `i` with `want(i, name)` not None (its slot's shape and
+    dtype) must have, in every slot tree, the slot linked to it (a Variable
+    param) or an array (a plain-array param) of that shape and dtype;
+    otherwise `StateMismatchError` (apply_gradients then creates what is missing,
+    outside jit, and steps again).
+    """
+    def mismatch(why: str) -> StateMismatchError:
+        return StateMismatchError(
+            f"apply_gradients: {why} The state was made for other params (a re-created model, another model's "
+            "state). apply_gradients creates the missing state, as TF's optimizers do; inside your own jit, call "
+            "`state = opt.init(params, state)` first (outside jit): it keeps the state's slots for these params "
+            "and creates the others."
+        )
+
+    out = {}
+    for n in names:
+        if n not in state.slots:
+            raise mismatch(f"the state has no {n!r} slots (it has {sorted(state.slots)}).")
+        try:
+            out[n] = p_def.flatten_up_to(state.slots[n])
+        except (ValueError, TypeError):
+            raise mismatch(f"state.slots[{n!r}] does not have the structure of params.") from None
+    for i, p in enumerate(p_leaves):
+        if owners[i] != i:
+            continue
+        for n in names:
+            need = want(i, n)
+            if need is None:
+                continue
+            s = out[n][i]
+            label = path_label(paths[i], p)
+            if isinstance(p, Variable):
+                if not isinstance(s, Variable) or s.handle.slot_of != p.resource_id:
+                    held = f"the slot of another variable ({s.name!r})" if isinstance(s, Variable) else (
+                        "nothing" if s is None else "a plain array")
+                    raise mismatch(f"no slot {n!r} for {label}: the state holds {held} there.")
+            elif s is None or isinstance(s, Variable):
+                raise mismatch(f"no slot {n!r} for {label}.")
+            why = fit_error(n, s, label, need)
+            if why is not None:
+                raise StateMismatchError(f"apply_gradients: {why}")
+    return out
+
+
+def check_non_slots(state: Any, names: Any) -> None:
+    missing = [n for n in names if n not in state.non_slots]
+    if missing:
+        raise StateMismatchError(
+            f"apply_gradients: the state has no non-slot variable {missing[0]!r} (it has {sorted(state.non_slots)}); "
+            "it was made by another optimizer. apply_gradients creates it; inside your own jit, call "
+            "`state = opt.init(params, state)` first (outside jit)."
+        )
+
+
+class Existing:
+    """The slots a state already holds for params: by primary's resource id (Variables), by position (arrays).
+
+    `init(params, state)` keeps these (TF creates a slot only where none
+    exists) and makes the rest; one whose shape or dtype does not fit its
+    param is a ValueError naming both.
+    """
+
+    def __init__(self, state: Any, p_def: Any, paths: list) -> None:
+        self.by_rid: dict[tuple[str, int], Variable] = {}
+        self.positional: dict[str, list] = {}
+        self.paths = paths
+        self.names = list(state.slots) if state is not None else []
+        self.non_slots = dict(state.non_slots) if state is not None else {}
+        for name in self.names:
+            tree = state.slots[name]
+            for s in jax.tree.leaves(tree, is_leaf=_slot_leaf):
+                if isinstance(s, Variable) and s.handle.slot_of is not None:
+                    self.by_rid.setdefault((name, s.handle.slot_of), s)
+            try:
+                self.positional[name] = p_def.flatten_up_to(tree)
+            except (ValueError, TypeError):
+                pass  # another structure: Variables are still found by identity
+
+    def get(self, name: str, i: int, p: Any, want: tuple | None = None) -> Any:
+        """The existing slot `name` of the param `p` at leaf `i`, checked to fit `want` (default: p's), or None."""
+        if isinstance(p, Variable):
+            s = self.by_rid.get((name, p.resource_id))
+        else:
+            leaves = self.positional.get(name)
+            s = leaves[i] if leaves is not None else None
+            if isinstance(s, Variable):
+                s = None
+        if s is None:
+            return None
+        why = fit_error(name, s, path_label(self.paths[i], p), param_want(p) if want is None else want)
+        if why is not None:
+            raise ValueError(why[0].upper() + why[1:])
+        return s

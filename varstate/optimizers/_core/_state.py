@@ -1,0 +1,144 @@
+"""`OptimizerState`: slot Variables per primary and non-slot Variables by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from varstate._variable import Variable
+from varstate.optimizers._core import _packed
+
+
+class OptimizerState:
+    """An optimizer's variables, as a pytree.
+
+    slots:     {slot name: pytree with the params' structure}; a leaf is the
+               slot Variable of the param at the same position, or None where
+               the param has no slot (None gradient never seen, non-trainable).
+    non_slots: {name: Variable}, e.g. Adam's ``beta1_power`` (scalars).
+    packed:    {slot name: tuple of 1-D buffers}, one per (dtype, sharding),
+               when the state is fused (``opt.init(params, fused=True)``);
+               else empty. A fused state keeps the slots of many small
+               params in these buffers and updates each buffer with one
+               computation; ``slots`` still shows every slot as a Variable (a
+               view of its slice), so `get_slot`, checkpoints and restore see
+               per-variable slots with TF's names and keys.
+
+    Checkpoints record slots against their primary's node (`slot_variables`)
+    and non-slots as children of the optimizer's node, as TF does.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> from varstate.optimizers import Adam
+    >>> w = varstate.Variable(jnp.zeros(2), name="kernel")
+    >>> state = Adam().init({"w": w})
+    >>> state.get_slot(w, "m").name, state.get_slot_names(), sorted(state.non_slots)
+    ('kernel/m', ['m', 'v'], ['beta1_power', 'beta2_power'])
+    >>> b = varstate.Variable(jnp.zeros(3), name="bias")
+    >>> fused = Adam().init({"w": w, "b": b}, fused=True)
+    >>> fused.fused, fused.get_slot(b, "m").name, [x.shape for x in fused.packed["m"]]
+    (True, 'bias/m', [(5,)])
+    """
+
+    __slots__ = ("_stored", "_views", "non_slots", "packed")
+
+    def __init__(self, slots: dict[str, Any], non_slots: dict[str, Variable],
+                 packed: dict[str, tuple] | None = None) -> None:
+        # `slots` may hold `_packed.PackedSlot` markers where `packed` holds the values (the internal layout).
+        object.__setattr__(self, "_stored", slots)
+        object.__setattr__(self, "non_slots", non_slots)
+        object.__setattr__(self, "packed", packed or {})
+        object.__setattr__(self, "_views", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"OptimizerState is immutable: use state.replace({name}=...) for a new one.")
+
+    def __repr__(self) -> str:
+        fused = f", packed={ {n: [b.shape for b in bs] for n, bs in self.packed.items()} }" if self.packed else ""
+        return f"OptimizerState(slots={self.slots!r}, non_slots={self.non_slots!r}{fused})"
+
+    @property
+    def slots(self) -> dict[str, Any]:
+        """{slot name: tree of slot Variables}; a fused state's are views of its buffers (made once, on first use)."""
+        if not self.packed:
+            return self._stored
+        if self._views is None:
+            object.__setattr__(self, "_views", _packed.views(self._stored, self.packed))
+        return self._views
+
+    @property
+    def fused(self) -> bool:
+        """True if slots live in packed buffers (``opt.init(params, fused=True)``)."""
+        return bool(self.packed)
+
+    def replace(self, *, slots: dict[str, Any] | None = None, non_slots: dict[str, Variable] | None = None,
+                ) -> OptimizerState:
+        """A new state with these `slots` and/or `non_slots`; a fused state packs the given slots into its layout.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> from varstate.optimizers import Momentum
+        >>> w = varstate.Variable(jnp.zeros(2), name="w")
+        >>> state = Momentum(0.1, momentum=0.9).init([w], fused=True)
+        >>> ones = {"momentum": [state.get_slot(w, "momentum").assign(jnp.ones(2))]}
+        >>> state.replace(slots=ones).packed["momentum"][0].tolist()
+        [1.0, 1.0]
+        """
+        non_slots = self.non_slots if non_slots is None else non_slots
+        if slots is None:
+            return OptimizerState(self._stored, non_slots, self.packed)
+        if not self.packed:
+            return OptimizerState(slots, non_slots)
+        stored, packed = _packed.repack(self._stored, self.packed, slots)
+        return OptimizerState(stored, non_slots, packed)
+
+    def get_slot_names(self) -> list[str]:
+        """Slot names, sorted (TF's `get_slot_names`)."""
+        return sorted(self._stored)
+
+    def get_slot(self, var: Variable, name: str) -> Variable | None:
+        """The slot `name` of primary `var` (matched by resource id), or None (as TF)."""
+        tree = self._stored.get(name)
+        if tree is None:
+            return None
+        if not isinstance(var, Variable):
+            raise TypeError(
+                f"get_slot finds slots by their variable's identity; got {type(var).__name__}, which has none. "
+                f"A plain-array param's slot sits at the param's position in state.slots[{name!r}]."
+            )
+        rid = var.resource_id
+        leaves = tree.leaves() if isinstance(tree, _packed.PackedTree) else jax.tree.leaves(
+            tree, is_leaf=_packed.is_slot_leaf)
+        for slot in leaves:
+            if isinstance(slot, _packed.PackedSlot):
+                if slot.slot is not None and slot.slot.handle.slot_of == rid:
+                    return slot.view(self.packed[name])
+            elif isinstance(slot, Variable) and slot.handle.slot_of == rid:
+                return slot
+        return None
+
+    def non_slot(self, name: str) -> Variable:
+        """The non-slot variable `name` (KeyError naming the known ones)."""
+        try:
+            return self.non_slots[name]
+        except KeyError:
+            raise KeyError(
+                f"OptimizerState has no non-slot variable {name!r}; it has {sorted(self.non_slots)}."
+            ) from None
+
+
+_KEYS = (jax.tree_util.GetAttrKey("slots"), jax.tree_util.GetAttrKey("non_slots"), jax.tree_util.GetAttrKey("packed"))
+
+
+def _flatten_with_keys(s: OptimizerState) -> tuple:
+    return tuple(zip(_KEYS, (s._stored, s.non_slots, s.packed), strict=True)), None
+
+
+def _unflatten(_: Any, children: Any) -> OptimizerState:
+    slots, non_slots, packed = children
+    return OptimizerState(slots, non_slots, packed)
+
+
+jax.tree_util.register_pytree_with_keys(
+    OptimizerState, _flatten_with_keys, _unflatten,
+    lambda s: ((s._stored, s.non_slots, s.packed), None),
+)

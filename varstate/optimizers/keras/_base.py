@@ -1,0 +1,251 @@
+"""The base of Keras 3's optimizers: an ``iteration`` counter, a ``learning_rate`` variable, weight decay.
+
+Keras keeps its step count in an int64 variable ``iteration`` (held here as
+JAX's widest integer and saved as int64, as the global step is) and a float
+learning rate in a float32 variable ``learning_rate``; both are non-slot
+variables of the state, so a restored Keras checkpoint brings its learning
+rate with it, as Keras's own restore does. A callable learning rate (a
+schedule) is called with ``iteration`` and then there is no
+``learning_rate`` variable, as in Keras.
+
+Numerics follow Keras's TF backend op by op: a Python-float constant such as
+``1 - beta_1`` is computed in double precision and rounded once to the
+variable's dtype (Keras passes the Python float to the op), while a value
+Keras first casts to a tensor (``ops.cast(beta_1, dtype)``) takes part in
+float32 arithmetic. Sparse gradients keep Keras's rules for its TF backend:
+an element-wise op of an `IndexedSlices` with a scalar stays sparse (on the
+raw rows, duplicates included), an op with a dense tensor first sums the
+rows into a dense tensor, and an update of a variable by sparse rows is a
+scatter in which duplicates accumulate one after another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from varstate._global_step import int64_counter
+from varstate._variable import Variable
+from varstate.optimizers._core._base import Hyper, Optimizer
+from varstate.optimizers._core._matching import is_var
+from varstate.optimizers._core._slots import check_non_slots, filled_slot, scalar_placement
+from varstate.optimizers._core._state import OptimizerState
+
+Array = Any
+
+
+def const(x: float, dtype: Any) -> Array:
+    """A Python float as Keras hands it to an op: rounded once from double to `dtype`."""
+    return jnp.asarray(np.asarray(x, np.float64).astype(np.dtype(dtype)))
+
+
+def densify(values: Array, indices: Array, shape: tuple[int, ...]) -> Array:
+    """The dense tensor of sparse rows: duplicates summed in order (TF's unsorted segment sum)."""
+    return jnp.zeros(shape, values.dtype).at[indices].add(values, mode="drop", wrap_negative_indices=False)
+
+
+def scatter_add(x: Array, indices: Array, rows: Array) -> Array:
+    """`x` with `rows` added at `indices`, duplicates one after another (TF's ``scatter_add``)."""
+    return x.at[indices].add(rows, mode="drop", wrap_negative_indices=False)
+
+
+def scatter_sub(x: Array, indices: Array, rows: Array) -> Array:
+    """`x` with `rows` subtracted at `indices` (``x - r`` and ``x + (-r)`` round alike)."""
+    return x.at[indices].add(-rows, mode="drop", wrap_negative_indices=False)
+
+
+def divide(x: Array, y: Array) -> Array:
+    """``x / y`` rounded as IEEE division, also where `y` is a scalar.
+
+    XLA rewrites a division by a broadcast scalar as a multiplication by its
+    reciprocal, which rounds differently from TF's division; a divisor
+    materialized at `x`'s shape keeps the division (op by op; under ``jit``
+    XLA sees the broadcast again).
+    """
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    if y.shape != x.shape:
+        y = jnp.broadcast_to(y, jnp.broadcast_shapes(x.shape, y.shape))
+    return x / y
+
+
+def gather(x: Array, indices: Array) -> Array:
+    """Rows `x[indices]` (duplicates repeated), as Keras's sparse ops gather a dense operand."""
+    return x.at[indices].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class KerasOptimizer(Optimizer):
+    """Base of the Keras 3 optimizers: non-slots ``iteration`` (int64), ``learning_rate`` (float32, unless a schedule).
+
+    ``weight_decay`` (None: off) applies Keras's decoupled decay before each
+    variable's update: ``var -= var * weight_decay * learning_rate``.
+
+    Subclass contract: ``_slot_groups`` (Keras's slot lists, each created
+    interleaved over the variables), ``_extra_non_slots`` (float32 non-slots
+    Keras creates after the slots), and ``_step_dense(lr, grad, var, slots,
+    non_slots)`` / ``_step_sparse(lr, values, indices, var, slots,
+    non_slots)`` on raw rows (duplicates included), where ``lr`` is the
+    learning rate in the variable's dtype and ``non_slots["iteration"]``
+    counts the steps before this one.
+    """
+
+    learning_rate: Hyper = 0.001
+    weight_decay: float | None = None
+
+    _dedup: ClassVar[bool] = False
+    _hyper_names: ClassVar[tuple[str, ...]] = ("learning_rate",)
+    _floats: ClassVar[tuple[str, ...]] = ()  # hyperparameters Keras holds as Python floats
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in (*self._floats, "weight_decay"):
+            x = getattr(self, name)
+            if x is None and name == "weight_decay":
+                continue
+            if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
+                raise TypeError(f"{type(self).__name__}: {name} must be a float, got {type(x).__name__} {x!r:.40}.")
+            object.__setattr__(self, name, float(x))
+
+    # --- Keras's layout -------------------------------------------------
+    def _slot_groups(self) -> tuple[tuple[str, ...], ...]:
+        return ()
+
+    def _extra_non_slots(self) -> dict[str, float]:
+        return {}
+
+    def keras_layout(self) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...], tuple[str, ...]]:
+        """Keras's order of its optimizer variables: (leading non-slots, slot groups, trailing non-slots).
+
+        Keras numbers them ``iteration``, ``learning_rate`` (absent for a
+        schedule), then each slot group for every variable in turn (the names
+        of a group interleaved per variable), then trailing non-slots.
+
+        >>> from varstate.optimizers import keras
+        >>> keras.Adam(amsgrad=True).keras_layout()
+        (('iteration', 'learning_rate'), (('momentum', 'velocity'), ('velocity_hat',)), ())
+        """
+        lead = ("iteration",) if callable(self.learning_rate) else ("iteration", "learning_rate")
+        return lead, self._slot_groups(), tuple(self._extra_non_slots())
+
+    def _slot_inits(self) -> dict[str, float]:
+        return {name: 0.0 for group in self._slot_groups() for name in group}
+
+    def _non_slot_inits(self) -> dict[str, float]:
+        lr = {} if callable(self.learning_rate) else {"learning_rate": self.learning_rate}
+        return {**lr, **self._extra_non_slots()}
+
+    # --- state ----------------------------------------------------------
+    def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
+             fused: bool | None = None) -> OptimizerState:
+        """Slots and non-slots as `Optimizer.init`, plus Keras's int64 ``iteration`` counter (starting at 0).
+
+        >>> import jax.numpy as jnp, varstate
+        >>> from varstate.optimizers import keras
+        >>> w = varstate.Variable(jnp.zeros(2), name="w")
+        >>> state = keras.SGD(0.1, momentum=0.9).init([w])
+        >>> sorted(state.non_slots), state.non_slot("iteration").value.item(), state.get_slot(w, "momentum").name
+        (['iteration', 'learning_rate'], 0, 'w/momentum')
+        """
+        state = super().init(params, state, stepped=stepped, fused=fused)
+        if "iteration" in state.non_slots:
+            return state
+        leaves = jax.tree.leaves(params, is_leaf=is_var)
+        first = next((p for p in leaves if isinstance(p, Variable)), None)
+        registry = first.handle.registry if first is not None else None
+        counter = int64_counter("iteration", registry, device=scalar_placement(first))
+        return state.replace(non_slots={"iteration": counter, **state.non_slots})
+
+    def update(
+        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
+    ) -> tuple[Any, OptimizerState]:
+        """One step as `Optimizer.update`; a learning-rate schedule is called with ``iteration`` unless `step` is given.
+
+        >>> import jax.numpy as jnp
+        >>> from varstate.optimizers import keras
+        >>> opt = keras.SGD(lambda it: 0.5 / (1.0 + it))
+        >>> p = [jnp.ones(1)]
+        >>> state = opt.init(p)
+        >>> p, state = opt.update([jnp.ones(1)], p, state)
+        >>> p, state = opt.update([jnp.ones(1)], p, state)
+        >>> p[0].tolist(), state.non_slot("iteration").value.item()
+        ([0.25], 2)
+        """
+        check_non_slots(state, ("iteration",))
+        if step is None:
+            step = state.non_slots["iteration"].value
+        return super().update(grads, params, state, step, **extra_args)
+
+    def renamed_slots(self, params: Any, state: OptimizerState, names: dict[str, str]) -> OptimizerState:
+        """`state` with its slots re-linked to `params` under other names (``{"momentum": "m"}``), values kept.
+
+        For another layout's names, such as tf.keras 2's (``m``, ``v``), which
+        a checkpoint records as slot names. Non-slots are kept as they are.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> from varstate.optimizers import keras
+        >>> w = varstate.Variable(jnp.ones(2), name="kernel")
+        >>> opt = keras.Adam()
+        >>> renamed = opt.renamed_slots([w], opt.init([w]), {"momentum": "m", "velocity": "v"})
+        >>> renamed.get_slot_names(), renamed.get_slot(w, "m").name
+        (['m', 'v'], 'kernel/m')
+        """
+        # A slot finds its primary by resource id: params may come in another structure than at init.
+        by_rid = {p.resource_id: p for p in jax.tree.leaves(params, is_leaf=is_var) if isinstance(p, Variable)}
+        slots = {}
+        for name, tree in state.slots.items():
+            flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: is_var(x) or x is None)
+            new = []
+            for s in flat:
+                primary = by_rid.get(s.handle.slot_of) if isinstance(s, Variable) else None
+                if isinstance(s, Variable) and primary is None:
+                    raise ValueError(f"renamed_slots: slot {s.name!r} belongs to no Variable of params; pass the "
+                                     "params the state was made for")
+                if primary is not None:
+                    s = filled_slot(primary, names.get(name, name), 0.0)._with_value(s.value)
+                new.append(s)
+            slots[names.get(name, name)] = treedef.unflatten(new)
+        return OptimizerState(slots=slots, non_slots=dict(state.non_slots))
+
+    # --- the step -------------------------------------------------------
+    def _lr(self, h: dict, non_slots: dict, dtype: Any) -> Array:
+        lr = h["learning_rate"] if callable(self.learning_rate) else non_slots["learning_rate"]
+        # Keras's schedules return float32 tensors; the variable is float32; both are then cast.
+        return jnp.asarray(lr, jnp.float32).astype(dtype)
+
+    def _decay(self, lr: Array, var: Array) -> Array:
+        if self.weight_decay is None:
+            return var
+        return var - var * jnp.asarray(self.weight_decay, jnp.float32).astype(var.dtype) * lr
+
+    def _dense(self, h, grad, var, slots, non_slots):
+        lr = self._lr(h, non_slots, var.dtype)
+        var = self._decay(lr, var)
+        return self._step_dense(lr, grad.astype(var.dtype), var, slots, non_slots)
+
+    def _sparse(self, h, values, indices, var, slots, non_slots):
+        lr = self._lr(h, non_slots, var.dtype)
+        var = self._decay(lr, var)
+        return self._step_sparse(lr, values.astype(var.dtype), indices, var, slots, non_slots)
+
+    def _step_dense(self, lr, grad, var, slots, non_slots):
+        raise NotImplementedError
+
+    def _step_sparse(self, lr, values, indices, var, slots, non_slots):
+        raise NotImplementedError
+
+    def _finish(self, h, non_slots):
+        return {**non_slots, "iteration": non_slots["iteration"] + 1}
+
+
+def local_step(non_slots: dict, dtype: Any, ahead: int = 1) -> Array:
+    """Keras's ``cast(iterations + ahead, dtype)``."""
+    return (non_slots["iteration"] + ahead).astype(dtype)
+
+
+def keras_power(base: Array, exponent: Array) -> Array:
+    """``base ** exponent`` on scalars, as Keras's ``ops.power`` (a scalar ``powf`` in TF and in XLA alike)."""
+    return jnp.power(base, exponent)
