@@ -6,7 +6,7 @@ Workloads: log1pexp on 1M elements (argument gradients only) and a
 256x512 @ 512x512 dense layer whose custom rule covers the kernel and bias it
 reads as closed-over Variables (lifted by custom_gradient; explicit primal
 inputs in the hand-written version).
-Run: .venv/bin/python benchmarks/custom_gradient.py
+Run: .venv/bin/python -m benchmarks.custom_gradient
 """
 
 import re
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import varstate
+from benchmarks._common import per_call
 
 
 # --- log1pexp ---------------------------------------------------------------
@@ -74,15 +75,6 @@ def dense_loss_hand(params, x):
     return _dense_hand(x, params["kernel"].value, params["bias"].value).sum()
 
 
-def _per_call(fn, args, calls):
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls
-
-
 def _compile_time(make, args):
     start = time.perf_counter()
     jax.block_until_ready(make()(*args))
@@ -104,8 +96,8 @@ def compare(label, ours, hand, args, calls, repeats=25):
     f_ours, f_hand = jax.jit(ours), jax.jit(hand)
     best_ours = best_hand = float("inf")
     for _ in range(repeats):  # interleaved: the machine is noisy
-        best_ours = min(best_ours, _per_call(f_ours, args, calls))
-        best_hand = min(best_hand, _per_call(f_hand, args, calls))
+        best_ours = min(best_ours, per_call(f_ours, args, calls))
+        best_hand = min(best_hand, per_call(f_hand, args, calls))
     out_o, out_h = f_ours(*args), f_hand(*args)
     for a, b in zip(jax.tree.leaves(out_o), jax.tree.leaves(out_h), strict=True):
         assert jnp.allclose(a, b, rtol=1e-5, atol=1e-5), "the two versions must compute the same gradient"

@@ -14,7 +14,7 @@
 
 Low percentiles and minimums: the machine is shared, and a slow moment is another process's, not the code's.
 
-    .venv/bin/python benchmarks/export.py
+    .venv/bin/python -m benchmarks.export
 """
 
 from __future__ import annotations
@@ -26,16 +26,12 @@ import sys
 import tempfile
 import time
 
-# A sibling file is named like the `checkpoint` package: keep this folder off the import path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import checkpoint  # noqa: E402
-import varstate  # noqa: E402
+import checkpoint
+import varstate
 
 TARGET = 1.05
 BATCH = jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 512"), jnp.float32)

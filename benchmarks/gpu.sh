@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-$PWD}"
 python3 -c "import jax; d = jax.devices(); print(jax.__version__, d); assert d[0].platform == 'gpu', 'no GPU'"
-timeout 300 python3 benchmarks/optimizers.py --accelerator-rows 2>&1 | tee "$out/optimizers_gpu.txt"
-timeout 120 python3 benchmarks/mixed_precision.py 4096 8 4096 2>&1 | tee "$out/mixed_precision_gpu.txt"
+timeout 300 python3 -m benchmarks.optimizers --accelerator-rows 2>&1 | tee "$out/optimizers_gpu.txt"
+timeout 120 python3 -m benchmarks.mixed_precision 4096 8 4096 2>&1 | tee "$out/mixed_precision_gpu.txt"

@@ -6,7 +6,7 @@ value_and_grad + Adam step; ratios are mixed_bfloat16 / float32. Variables and
 optimizer slots stay float32 in both; only the forward/backward compute and
 activations change dtype. On CPUs without native bf16 matmuls expect a time
 ratio above 1; the memory ratio reflects the halved activations.
-Run: .venv/bin/python benchmarks/mixed_precision.py [width] [depth] [batch]
+Run: .venv/bin/python -m benchmarks.mixed_precision [width] [depth] [batch]
 """
 
 import sys

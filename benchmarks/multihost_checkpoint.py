@@ -1,6 +1,6 @@
 """Save and restore time of a 256 MB sharded state: 2 processes (jax.distributed, 4 CPU devices each) vs 1 (8).
 
-    python benchmarks/multihost_checkpoint.py [--mb 256] [--dir /tmp/mh_bench]
+    .venv/bin/python -m benchmarks.multihost_checkpoint [--mb 256] [--dir /tmp/mh_bench]
 
 Both runs shard the same arrays over 8 devices on this machine and write to
 the same disk, so the ratio shows what the multi-process protocol costs or
@@ -23,9 +23,6 @@ import time
 
 
 def _worker(mb: int, directory: str, process_id: int, processes: int, port: int) -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    # benchmarks/checkpoint.py would shadow the package: import it from the repository root instead.
-    sys.path[:] = [os.path.dirname(here)] + [p for p in sys.path if os.path.abspath(p or ".") != here]
     devices = 8 // processes
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -80,8 +77,10 @@ def _run(processes: int, mb: int, directory: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    children = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(processes), str(port),
-                                  "--mb", str(mb), "--dir", directory], stdout=subprocess.PIPE, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    children = [subprocess.Popen([sys.executable, "-m", "benchmarks.multihost_checkpoint", "--worker", str(i),
+                                  str(processes), str(port), "--mb", str(mb), "--dir", directory],
+                                 stdout=subprocess.PIPE, text=True, cwd=root)
                 for i in range(processes)]
     outputs = [c.communicate(timeout=900)[0] for c in children]
     if any(c.returncode for c in children):

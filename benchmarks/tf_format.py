@@ -1,6 +1,6 @@
 """TF TensorBundle read/write speed against raw numpy I/O of the same bytes (the limit).
 
-    .venv/bin/python benchmarks/tf_format.py
+    .venv/bin/python -m benchmarks.tf_format
 
 Reading: open the checkpoint and read every tensor into a dict, checksums verified, vs
 ``np.fromfile`` of each tensor's bytes at offsets known in advance. Writing: ``write_bundle``
@@ -12,28 +12,15 @@ Targets (issue 5): both ratios <= 1.3; issue 13: the 64 tensors / 256 MB read <=
 """
 
 import os
-import sys
 import tempfile
-import time
 
 import numpy as np
 
-# benchmarks/checkpoint.py would shadow the `checkpoint` package for scripts run from this folder.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-from checkpoint._storage import BundleReader, write_bundle  # noqa: E402
+from benchmarks._common import best
+from checkpoint._storage import BundleReader, write_bundle
 
 REPEATS = 7
 CASES = [("64 tensors / 256 MB", 64, 256 << 20), ("2,000 tensors / 32 MB", 2000, 32 << 20)]
-
-
-def best(fn, before=lambda: None, repeats=REPEATS):
-    times = []
-    for _ in range(repeats):
-        before()  # untimed
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def remove(*paths):
@@ -57,8 +44,8 @@ def run_case(d: str, label: str, count: int, total: int) -> list:
             os.fsync(f.fileno())
 
     data_path = prefix + ".data-00000-of-00001"
-    write_ours = best(lambda: write_bundle(prefix, tensors), lambda: remove(prefix + ".index", data_path))
-    write_raw = best(raw_write, lambda: remove(raw_path))
+    write_ours = best(lambda: write_bundle(prefix, tensors), lambda: remove(prefix + ".index", data_path), REPEATS)
+    write_raw = best(raw_write, lambda: remove(raw_path), REPEATS)
 
     reader = BundleReader(prefix)  # offsets for the raw anchor, found outside the timing
     layout = [(reader.entry(k).offset, reader.dtype(k), reader.shape(k)) for k in reader.keys()]
@@ -74,7 +61,8 @@ def run_case(d: str, label: str, count: int, total: int) -> list:
 
     got = read_ours()
     assert all(np.array_equal(got[k], v) for k, v in tensors.items())
-    rows = [(label, "read", best(read_ours), best(read_raw)), (label, "write", write_ours, write_raw)]
+    rows = [(label, "read", best(read_ours, repeats=REPEATS), best(read_raw, repeats=REPEATS)),
+            (label, "write", write_ours, write_raw)]
     os.remove(raw_path)
     return rows
 

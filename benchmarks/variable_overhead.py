@@ -11,7 +11,7 @@ own; what is left over raw arrays is jax calling Python once per node on the
 way in and once on the way out. (On the 2-core CI machine, 2026-12-02, a
 Python node measured 1.24-1.30 on the tiny case; a throwaway C extension type
 with C flatten/unflatten, 1.17-1.19: the rest is jaxlib's own work per node.)
-Run: .venv/bin/python benchmarks/variable_overhead.py
+Run: .venv/bin/python -m benchmarks.variable_overhead
 """
 
 import gc
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import varstate
+from benchmarks._common import per_call
 
 
 class _Bare:
@@ -47,16 +48,6 @@ def _step(tree):
     return jax.tree.map(lambda x: x * 0.999 + 0.001, tree)
 
 
-def _per_call(fn, tree, calls):
-    out = fn(tree)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn(tree)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls
-
-
 def compare(n, shape, calls, repeats=15):
     raw = [jnp.full(shape, float(i)) for i in range(n)]
     reg = varstate.Registry()
@@ -66,7 +57,7 @@ def compare(n, shape, calls, repeats=15):
     best = dict.fromkeys(trees, float("inf"))
     for _ in range(repeats):  # interleaved, min of repeats: the machine is noisy
         for name, tree in trees.items():
-            best[name] = min(best[name], _per_call(step, tree, calls))
+            best[name] = min(best[name], per_call(step, (tree,), calls))
     return best
 
 

@@ -11,12 +11,14 @@ jax nor orbax.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from importlib import metadata as _metadata
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from checkpoint._errors import CheckpointFormatError, DataLossError
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from checkpoint._checkpoint import Checkpoint, read_checkpoint
     from checkpoint._export import Asset, export, load, register_revived_type
     from checkpoint._manager import CheckpointManager, StepAlreadyExistsError, latest_checkpoint
@@ -63,14 +65,19 @@ __all__ = [
     "write_name_based",
 ]
 
+try:  # the version lives in pyproject.toml only; installed, it is the distribution's (`varstate`, both packages)
+    __version__ = _metadata.version("varstate")
+except _metadata.PackageNotFoundError:
+    __version__ = "unknown (varstate is not installed; running from a source tree)"
 
-def __getattr__(name: str) -> Any:
+
+def __getattr__(name: str) -> _Any:
     if name == "keras":  # the public submodule `checkpoint.keras`, also imported on first use
-        return importlib.import_module("checkpoint.keras")
+        return _importlib.import_module("checkpoint.keras")
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"checkpoint.{home}"), name)
+    value = getattr(_importlib.import_module(f"checkpoint.{home}"), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from checkpoint import _graph, _keys, _storage
 from checkpoint._errors import DataLossError
 from checkpoint._status import InitializationOnlyStatus, LoadStatus
-from checkpoint._storage import _distributed, _publish
+from checkpoint._storage import _distributed, _save
 
 
 def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
@@ -39,7 +40,7 @@ def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
     return _storage.open_reader(path)
 
 
-def _check_format(format: str, where: str) -> None:
+def check_format(format: str, where: str) -> None:
     if format not in ("orbax", "tf"):
         raise ValueError(f"{where}: unknown format {format!r}; expected 'orbax' or 'tf'.")
 
@@ -100,12 +101,6 @@ class Checkpoint:
             return roots[name]
         raise AttributeError(f"Checkpoint has no root {name!r}; its roots are {sorted(roots)}.")
 
-    def _graph(self) -> _graph.Graph:
-        roots = dict(self._roots)
-        if self._counter_tracked:
-            roots[_keys.SAVE_COUNTER] = np.int64(self.save_counter)
-        return _graph.build(roots)
-
     def write(self, path: str, format: str = "orbax", *, packed: bool = True) -> str:
         """Writes the roots to `path` and returns it once committed (no numbering).
 
@@ -141,9 +136,9 @@ class Checkpoint:
         [0.0, 1.0, 2.0]
         """
         path = os.path.abspath(os.fspath(path))
-        _check_format(format, "Checkpoint.write")
-        _publish.check_replaceable(path, format, "Checkpoint.write")
-        self._write_now(path, format, record=False, packed=packed)
+        check_format(format, "Checkpoint.write")
+        _save.start(path, format, "Checkpoint.write", lambda temp: self.start_write(temp, format, packed=packed),
+                    lambda primary: None)()
         return path
 
     def save(self, file_prefix: str, format: str = "orbax", *, packed: bool = True, **roots: Any) -> str:
@@ -170,13 +165,18 @@ class Checkpoint:
         >>> paths, ckpt.save_counter, checkpoint.read_checkpoint(prefix + "-2").get("w/.ATTRIBUTES/VARIABLE_VALUE")
         (['ckpt-1', 'ckpt-2'], 2, array([2., 2.], dtype=float32))
         """
-        _check_format(format, "Checkpoint.save")
+        check_format(format, "Checkpoint.save")
         self._replace_roots(roots, "Checkpoint.save")
         self._counter_tracked = True
         self.save_counter += 1
         path = os.path.abspath(f"{os.fspath(file_prefix)}-{self.save_counter}")
-        _publish.check_replaceable(path, format, "Checkpoint.save")
-        self._write_now(path, format, record=True, packed=packed)
+
+        def record(primary: bool) -> None:
+            if primary:
+                _storage.record_latest(os.path.dirname(path), path)
+
+        _save.start(path, format, "Checkpoint.save", lambda temp: self.start_write(temp, format, packed=packed),
+                    record)()
         return path
 
     def _replace_roots(self, roots: dict[str, Any], where: str) -> None:
@@ -190,43 +190,21 @@ class Checkpoint:
             )
         self._roots.update(roots)
 
-    def _write_now(self, path: str, format: str, record: bool, packed: bool = True) -> None:
-        directory = os.path.dirname(path)
-        # In a jax.distributed job only process 0 touches what is shared (the lock, leftovers, the
-        # publish and the state file); the others write their shards between the barriers.
-        primary = _distributed.is_primary()
-        lock = _publish.begin(directory) if primary else None
-        try:
-            temp = _distributed.agree(_publish.temporary(path, "new"))
-            _distributed.barrier(f"varstate-begin:{path}")
-            try:
-                try:
-                    self._start_write(temp, format, packed=packed)()
-                except Exception as e:  # orbax's own collectives fail this way when a process dies
-                    raise _distributed.lost_peer(e, "writing the checkpoint") from e
-                _distributed.barrier(f"varstate-written:{path}")
-                if primary:
-                    _publish.publish(temp, path)
-                    if record:
-                        _storage.record_latest(directory, path)
-            except BaseException:
-                if primary:
-                    _publish.remove(temp)
-                raise
-            _distributed.barrier(f"varstate-published:{path}")
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _start_write(self, temp: str, format: str, checkpointer: Any = None, background: bool = False,
-                     packed: bool = True):
+    def start_write(self, temp: str, format: str, *, packed: bool = True, checkpointer: Any = None,
+                    background: bool = False, counter: int | None = None) -> Callable[[], None]:
         """Starts writing the roots to the unpublished name `temp`; returns the function that finishes it.
 
-        With `background` the values are copied off the arrays before this
-        returns, so the caller may update (or donate) them while the returned
-        function runs in another thread.
+        Internal: the `write` of the save sequence (`_storage/_save.py`) for
+        `save`, `write` and `CheckpointManager.save`, which passes its step as
+        the `counter` to save and its own orbax `checkpointer`. With
+        `background` the values are copied off the arrays before this returns,
+        so the caller may update (or donate) them while the returned function
+        runs in another thread.
         """
-        graph = self._graph()
+        roots = dict(self._roots)
+        if counter is not None or self._counter_tracked:
+            roots[_keys.SAVE_COUNTER] = np.int64(self.save_counter if counter is None else counter)
+        graph = _graph.build(roots)
         values = _graph.values(graph)
         if _distributed.process_count() > 1:
             _distributed.check_same("object graph of the saved roots", _fingerprint(graph.proto, values))
@@ -245,16 +223,15 @@ class Checkpoint:
             return lambda: _storage.write_bundle(temp, tensors)
         from checkpoint._storage import _orbax
 
-        tree, meta = _orbax.layout(values, graph.proto, packed=packed)
-        if checkpointer is None:
-            checkpointer = _orbax.checkpointer()
-            try:
-                checkpointer.save(temp, args=_orbax.save_args(tree, meta))
-            finally:
+        tree, meta = _orbax.layout(values, graph.proto, batched=packed)
+        own = checkpointer is None
+        checkpointer = _orbax.checkpointer() if own else checkpointer
+        try:
+            checkpointer.save(temp, args=_orbax.save_args(tree, meta))
+        finally:
+            if own:
                 checkpointer.close()
-            return lambda: None
-        checkpointer.save(temp, args=_orbax.save_args(tree, meta))
-        return getattr(checkpointer, "wait_until_finished", lambda: None)
+        return (lambda: None) if own else getattr(checkpointer, "wait_until_finished", lambda: None)
 
     def restore(self, save_path: str | None, *, strict: bool = False) -> LoadStatus:
         """Restores the roots from `save_path` by object-graph structure; see `LoadStatus`.
@@ -322,5 +299,4 @@ class Checkpoint:
             self.save_counter = int(np.asarray(reader.get(key)).item())
             self._counter_tracked = True
             state.matched[counter] = "(root).save_counter"
-            state.restored_keys.add(key)
         return LoadStatus(state, _graph.restore_roots(state, self._roots))

@@ -59,17 +59,17 @@ BY_ENUM: dict[int, np.dtype] = {
 # their integer storage in a dtype tagged with the TF type: it compares and hashes equal to the plain
 # integer dtype (numpy ignores metadata there), so it computes and restores as that integer, and a writer
 # that finds the tag writes the TF type back.
+_QUANTIZED_TYPES = (
+    (types_pb2.DT_QINT8, "qint8", np.int8),
+    (types_pb2.DT_QUINT8, "quint8", np.uint8),
+    (types_pb2.DT_QINT16, "qint16", np.int16),
+    (types_pb2.DT_QUINT16, "quint16", np.uint16),
+    (types_pb2.DT_QINT32, "qint32", np.int32),
+)
 QUANTIZED: dict[int, np.dtype] = {
-    enum: np.dtype(storage, metadata={"tf_dtype": name})
-    for enum, name, storage in (
-        (types_pb2.DT_QINT8, "qint8", np.int8),
-        (types_pb2.DT_QUINT8, "quint8", np.uint8),
-        (types_pb2.DT_QINT16, "qint16", np.int16),
-        (types_pb2.DT_QUINT16, "quint16", np.uint16),
-        (types_pb2.DT_QINT32, "qint32", np.int32),
-    )
+    enum: np.dtype(storage, metadata={"tf_dtype": name}) for enum, name, storage in _QUANTIZED_TYPES
 }
-_QUANTIZED_ENUM: dict[str, int] = {d.metadata["tf_dtype"]: enum for enum, d in QUANTIZED.items()}
+_QUANTIZED_ENUM: dict[str, types_pb2.DataType] = {name: enum for enum, name, _ in _QUANTIZED_TYPES}
 
 
 def tf_name(dtype: np.dtype) -> str | None:
@@ -104,18 +104,18 @@ def quantized(name: str) -> np.dtype:
 class _EnumOf(dict):
     """{numpy dtype: TF enum}, where a dtype tagged as a quantized type maps to that type's enum."""
 
-    def __getitem__(self, dtype: np.dtype) -> int:
+    def __getitem__(self, dtype: np.dtype) -> types_pb2.DataType:
         name = tf_name(dtype)
         return _QUANTIZED_ENUM[name] if name is not None else super().__getitem__(np.dtype(dtype))
 
     def __contains__(self, dtype: object) -> bool:
-        return tf_name(dtype) is not None or super().__contains__(dtype)  # type: ignore[arg-type]
+        return tf_name(dtype) is not None or super().__contains__(dtype)  # type: ignore[arg-type]  # tf_name: None for a non-dtype
 
     def get(self, dtype, default=None):
         return self[dtype] if dtype in self else default
 
 
-ENUM_OF: dict[np.dtype, int] = _EnumOf({v: k for k, v in BY_ENUM.items()})
+ENUM_OF: dict[np.dtype, types_pb2.DataType] = _EnumOf({v: k for k, v in BY_ENUM.items()})
 BY_NAME: dict[str, np.dtype] = {d.name: d for d in BY_ENUM.values()}
 BY_ENUM.update(QUANTIZED)  # after ENUM_OF and BY_NAME: a tagged dtype must not stand in for its plain integer
 STRING_ENUM = types_pb2.DT_STRING

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,19 @@ SAVE_COUNTER = "save_counter"
 def escape(local_name: str) -> str:
     """TF's escaping of one path part: ``.`` -> ``..``, ``/`` -> ``.S``."""
     return local_name.replace(".", "..").replace("/", ".S")
+
+
+def local_name(entry: Any) -> str:
+    """A pytree path entry as the local name of the child it leads to: a dict key, field name or index."""
+    for attr in ("key", "name", "idx"):  # jax's DictKey and FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def child_path(parent: str, local_name: str) -> str:
+    """The path of a node's child: its parent's path (``""`` for the root), then its escaped local name."""
+    return f"{parent}/{escape(local_name)}" if parent else escape(local_name)
 
 
 def attribute_key(path: str, attribute: str = VARIABLE_VALUE) -> str:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint import _storage
-from checkpoint._checkpoint import Checkpoint
+from checkpoint._checkpoint import Checkpoint, check_format
 from checkpoint._status import LoadStatus
-from checkpoint._storage import _distributed, _publish, read_checkpoint_state, record_latest
+from checkpoint._storage import _publish, _save, read_checkpoint_state, record_latest
 from checkpoint._storage._journal import Journal, checked_metrics
 
 
@@ -75,12 +75,9 @@ def _watch(manager: CheckpointManager) -> None:
     # before it. atexit would be too late; it only runs after the threads are joined.
     import concurrent.futures.thread  # noqa: F401
 
-    register = getattr(threading, "_register_atexit", None)
     try:
-        if register is None:
-            raise RuntimeError("no threading._register_atexit")
-        register(_commit_at_exit)
-    except RuntimeError:
+        threading._register_atexit(_commit_at_exit)  # type: ignore[attr-defined]  # private: not in typeshed
+    except RuntimeError:  # the interpreter is already shutting down: threading's hooks have run
         atexit.register(_commit_at_exit)
 
 
@@ -194,8 +191,7 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager: best_fn must be callable (metrics -> number), got {best_fn!r}.")
         if best_mode not in ("max", "min"):
             raise ValueError(f"CheckpointManager: best_mode must be 'max' or 'min', got {best_mode!r}.")
-        if format not in ("orbax", "tf"):
-            raise ValueError(f"CheckpointManager: unknown format {format!r}; expected 'orbax' or 'tf'.")
+        check_format(format, "CheckpointManager")
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
         self.save_interval_steps = save_interval_steps
@@ -223,8 +219,7 @@ class CheckpointManager:
         self._steps = list(dict.fromkeys(reversed(steps)))[::-1]  # a step listed twice: its last place
         self._journal = Journal(self.directory)
         for name, entry in list(self._journal.saving.items()):
-            step = self._plain_step(name)
-            if step is not None and step in self._steps:  # killed after it was recorded: it committed
+            if self._plain_step(name) in self._steps:  # killed after it was recorded: it committed
                 if entry["metrics"] is None:
                     self._journal.metrics.pop(name, None)
                 else:
@@ -254,10 +249,8 @@ class CheckpointManager:
         return path
 
     def _score(self, metrics: dict[str, Any] | None, where: str) -> float | None:
-        if self._best_fn is None or metrics is None:
-            return None
         try:
-            value = self._best_fn(dict(metrics))
+            value = None if self._best_fn is None or metrics is None else self._best_fn(dict(metrics))
         except KeyError:  # the metric best_fn reads is missing: ranked as a checkpoint without metrics
             return None
         if value is None:
@@ -359,61 +352,38 @@ class CheckpointManager:
         path = self._path(step)
         metrics = checked_metrics(metrics)
         score = self._score(metrics, path)
-        _publish.check_replaceable(path, self.format, "CheckpointManager.save")
         ckpt = Checkpoint(**roots)
-        ckpt.save_counter, ckpt._counter_tracked = step, True
-        # In a jax.distributed job process 0 alone touches what is shared (lock, leftovers, state file,
-        # deletions); every process writes its own shards between barriers (`_storage/_distributed.py`).
-        primary = _distributed.is_primary()
-        lock = _publish.begin(self.directory, self._remove_unrecorded) if primary else None
-        try:
-            temp = _distributed.agree(_publish.temporary(path, "new"))
-            _distributed.barrier(f"varstate-begin:{path}")
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        try:
+
+        def write(temp: str) -> Callable[[], None]:
             if not overwrite and (step in self._steps or _publish.exists(path)):
                 raise StepAlreadyExistsError(
                     f"CheckpointManager.save: step {step} is already saved ({path}). Pass overwrite=True to "
                     "replace it (the old checkpoint stays the latest until the new one is complete), or save "
                     "another step."
                 )
-            checkpointer = self._orbax_checkpointer() if self.format == "orbax" else None
-            try:
-                finish = ckpt._start_write(temp, self.format, checkpointer, background=self._async,
-                                           packed=self._packed)
-            except Exception as e:  # orbax's own collectives fail this way when a process dies
-                raise _distributed.lost_peer(e, "writing the checkpoint") from e
-        except BaseException:
-            try:
-                if primary:
-                    _publish.remove(temp)
-            finally:
-                if lock is not None:
-                    lock.release()
-            raise
-        job = (step, temp, path, finish, metrics, score, lock)
+            if self.format == "orbax" and self._checkpointer is None:
+                from checkpoint._storage import _orbax
+
+                self._checkpointer = _orbax.checkpointer(self._async)
+            return ckpt.start_write(temp, self.format, packed=self._packed, background=self._async, counter=step,
+                                    checkpointer=self._checkpointer)
+
+        complete = _save.start(path, self.format, "CheckpointManager.save", write,
+                               lambda primary: self._commit(step, metrics, score, primary),
+                               before_publish=lambda: self._journal.enter(path, metrics),
+                               leftovers=self._remove_unrecorded)
         if not self._async:
-            self._complete(*job)
+            complete()
             return path
         self._pending_step, self._pending_path = step, path
         _watch(self)
-        self._thread = threading.Thread(target=self._finish, args=job, name="checkpoint-commit")
+        self._thread = threading.Thread(target=self._finish, args=(complete,), name="checkpoint-commit")
         self._thread.start()
         return path
 
-    def _orbax_checkpointer(self) -> Any:
-        if self._checkpointer is None:
-            from checkpoint._storage import _orbax
-
-            self._checkpointer = _orbax.checkpointer(self._async)
-        return self._checkpointer
-
-    def _finish(self, *job: Any) -> None:
+    def _finish(self, complete: Callable[[], None]) -> None:
         try:
-            self._complete(*job)
+            complete()
         except BaseException as e:  # raised by wait_until_finished in the caller's thread
             self._error = e
         finally:
@@ -434,32 +404,6 @@ class CheckpointManager:
             changed = True
         if changed:
             self._journal.store()
-
-    def _complete(self, step, temp, path, finish, metrics, score, lock) -> None:
-        primary = _distributed.is_primary()
-        try:
-            try:
-                try:
-                    finish()
-                except Exception as e:
-                    raise _distributed.lost_peer(e, "writing the checkpoint") from e
-                _distributed.barrier(f"varstate-written:{path}")  # every process's shards are on disk
-                if primary:
-                    # Entered before the checkpoint is in place: if this save dies before recording it, the next
-                    # save knows the checkpoint at `path` for an orphan (and this save's metrics, if recorded).
-                    self._journal.saving[os.path.basename(path)] = {
-                        "since": time.time(), "metrics": metrics, "replaces": _publish.exists(path)}
-                    self._journal.store()
-                    _publish.publish(temp, path)
-            except BaseException:
-                if primary:
-                    _publish.remove(temp)
-                raise
-            self._commit(step, metrics, score, primary)
-            _distributed.barrier(f"varstate-committed:{path}")  # no process goes on before it is the latest
-        finally:
-            if lock is not None:
-                lock.release()
 
     def _commit(self, step: int, metrics: dict[str, Any] | None, score: float | None, primary: bool = True) -> None:
         path = self._path(step)

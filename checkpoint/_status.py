@@ -68,14 +68,15 @@ class LoadStatus:
                 f"Unresolved slot restorations: {sorted(st.pending_slots.values())}: their primaries or the "
                 "optimizer's slot variables were not given to any restore."
             )
-        for i, node in enumerate(st.proto.nodes):
-            if node.attributes and i not in st.matched:
-                keys = ", ".join(a.checkpoint_key for a in node.attributes)
-                raise AssertionError(
-                    f"Unresolved object in checkpoint {st.names[i]}: its value ({keys}) was not restored "
-                    "into any object. Pass the object that should receive it (status.restore(...)) or "
-                    "call expect_partial() and use assert_existing_objects_matched()."
-                )
+        unresolved = st.unresolved()
+        if unresolved:
+            first = unresolved[0]
+            keys = ", ".join(a.checkpoint_key for a in st.proto.nodes[first].attributes)
+            raise AssertionError(
+                f"Unresolved object in checkpoint {st.names[first]}: its value ({keys}) was not restored into any "
+                "object. Pass the object that should receive it (status.restore(...)) or call expect_partial() "
+                "and use assert_existing_objects_matched()."
+            )
         return self
 
     def assert_existing_objects_matched(self) -> LoadStatus:

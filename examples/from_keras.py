@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoint.keras import _weights as keras
+from checkpoint import keras
 from varstate.optimizers import keras as keras_opt
 
 HERE = os.path.dirname(os.path.abspath(__file__))

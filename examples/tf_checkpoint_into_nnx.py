@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 import checkpoint
-from checkpoint.keras import _weights as keras
+from checkpoint import keras
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data")
 

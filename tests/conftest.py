@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
 
+import importlib.util
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -31,6 +32,20 @@ CACHE_ENTRY_MID_WRITE = "ignore:Error reading persistent compilation cache entry
 
 def pytest_configure(config):
     config.addinivalue_line("filterwarnings", CACHE_ENTRY_MID_WRITE)  # after pyproject's "error": it wins
+
+
+# What jax offers no public way to ask, read from private JAX: the tests' one door to jax._src (tests/test_layout.py
+# holds the library to varstate/_jax_compat.py and checkpoint/_export/_jax_private.py). Source text, so that a
+# child process runs it too.
+JAX_PRIVATE = {
+    "backends_started": "__import__('jax._src.xla_bridge')._src.xla_bridge.backends_are_initialized()",
+}
+
+
+@pytest.fixture(scope="session")
+def jax_private():
+    """`JAX_PRIVATE`: {what: a Python expression that reads it}."""
+    return dict(JAX_PRIVATE)
 
 
 @pytest.fixture(autouse=True)
@@ -75,3 +90,14 @@ def compiles():
     jax.monitoring.register_event_duration_secs_listener(counter._listen)
     yield counter
     jax.monitoring.unregister_event_duration_listener(counter._listen)
+
+
+@pytest.fixture(scope="session")
+def keras_readback():
+    """tests/data/keras_roundtrip_readback.py as a module: the script that made the Keras fixtures, whose functions
+    run the same steps with our optimizers."""
+    path = os.path.join(os.path.dirname(__file__), "data", "keras_roundtrip_readback.py")
+    spec = importlib.util.spec_from_file_location("keras_roundtrip_readback", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

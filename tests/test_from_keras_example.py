@@ -6,7 +6,7 @@ import os
 import numpy as np
 
 import checkpoint
-from checkpoint.keras import _weights as keras
+from checkpoint import keras
 from varstate.optimizers import keras as keras_opt
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")

@@ -1,4 +1,15 @@
-"""varstate: TensorFlow's resource variables as functional JAX pytrees."""
+"""varstate: TensorFlow's resource variables as functional JAX pytrees.
+
+A Variable keeps its name and identity across new versions of its value, inside `jax.jit` too:
+
+>>> import jax, jax.numpy as jnp, varstate
+>>> w = varstate.Variable(jnp.ones(2), name="w")
+>>> w2 = jax.jit(lambda w: w.assign_add(jnp.ones(2)))(w)
+>>> w2.name, w2.value.tolist(), w2.resource_id == w.resource_id
+('w', [2.0, 2.0], True)
+"""
+
+from importlib import metadata as _metadata
 
 from varstate import mixed_precision, nnx, optimizers
 from varstate._autocast import AutoCastVariable, autocast
@@ -26,7 +37,10 @@ from varstate._variable import (
     is_resource_variable,
 )
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml only: the installed distribution's, as checkpoint.__version__
+    __version__ = _metadata.version("varstate")
+except _metadata.PackageNotFoundError:
+    __version__ = "unknown (varstate is not installed; running from a source tree)"
 
 __all__ = [
     "AutoCastVariable",

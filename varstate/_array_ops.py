@@ -15,7 +15,8 @@ variable: the tangent has the primal's pytree structure) to a primitive, as
 from __future__ import annotations
 
 import operator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax.interpreters.xla
 import numpy as np
@@ -27,14 +28,52 @@ def _unwrap(x: Any) -> Any:
     return x.value if isinstance(x, _ArrayOps) else x
 
 
+def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
+    """`op` on the read value as a method, and reflected (``__add__``, ``__radd__``)."""
+    return (lambda self, other: op(self.read_value(), _unwrap(other)),
+            lambda self, other: op(_unwrap(other), self.read_value()))
+
+
+def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda self: op(self.read_value())
+
+
 class _ArrayOps:
     """Operators and numpy's array protocol on `self.read_value()`: shared by Variable and AutoCastVariable."""
 
     __slots__ = ()
     # Elementwise __eq__ makes variables unhashable, as in TF; use `ref()`.
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # object's __hash__ is a method; None is how Python unsets it
     # Above numpy's: `np_array * v` calls our __rmul__ (a jax value, traceable) instead of __array__.
     __array_priority__ = 100
+
+    if TYPE_CHECKING:  # what each subclass defines (AutoCastVariable's name comes through __getattr__)
+        @property
+        def name(self) -> str: ...
+        @property
+        def value(self) -> Any: ...
+        def read_value(self) -> Any: ...
+
+    __add__, __radd__ = _binary(operator.add)
+    __sub__, __rsub__ = _binary(operator.sub)
+    __mul__, __rmul__ = _binary(operator.mul)
+    __truediv__, __rtruediv__ = _binary(operator.truediv)
+    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
+    __mod__, __rmod__ = _binary(operator.mod)
+    __pow__, __rpow__ = _binary(operator.pow)
+    __matmul__, __rmatmul__ = _binary(operator.matmul)
+    __and__, __rand__ = _binary(operator.and_)
+    __or__, __ror__ = _binary(operator.or_)
+    __xor__, __rxor__ = _binary(operator.xor)
+    __lshift__, __rlshift__ = _binary(operator.lshift)
+    __rshift__, __rrshift__ = _binary(operator.rshift)
+    __lt__, __le__ = _binary(operator.lt)[0], _binary(operator.le)[0]
+    __gt__, __ge__ = _binary(operator.gt)[0], _binary(operator.ge)[0]
+    __eq__, __ne__ = _binary(operator.eq)[0], _binary(operator.ne)[0]
+    __neg__, __pos__ = _unary(operator.neg), _unary(operator.pos)
+    __abs__, __invert__ = _unary(operator.abs), _unary(operator.invert)
+    __bool__, __float__ = _unary(bool), _unary(float)
+    __int__, __index__ = _unary(int), _unary(operator.index)
 
     def __jax_array__(self) -> Any:
         # Under jit a Variable argument is flattened (a pytree) and rebuilt around a tracer, so this returns
@@ -68,51 +107,12 @@ class _ArrayOps:
         # Without it Python iterates through __getitem__, which jax clamps: it never stops.
         return iter(self.read_value())
 
-    def __bool__(self) -> bool:
-        return bool(self.read_value())
-
-    def __float__(self) -> float:
-        return float(self.read_value())
-
-    def __int__(self) -> int:
-        return int(self.read_value())
-
-    def __index__(self) -> int:
-        return operator.index(self.read_value())
-
     def astype(self, dtype: Any) -> Any:
         return self.read_value().astype(dtype)
 
     @property
     def T(self) -> Any:  # noqa: N802 - numpy's name
         return self.read_value().T
-
-
-def _binary(op, reflected=False):
-    if reflected:
-        def method(self, other):
-            return op(_unwrap(other), self.read_value())
-    else:
-        def method(self, other):
-            return op(self.read_value(), _unwrap(other))
-    return method
-
-
-for _name, _op in {
-    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
-    "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "matmul": operator.matmul,
-    "and": operator.and_, "or": operator.or_, "xor": operator.xor,
-    "lshift": operator.lshift, "rshift": operator.rshift,
-}.items():
-    setattr(_ArrayOps, f"__{_name}__", _binary(_op))
-    setattr(_ArrayOps, f"__r{_name}__", _binary(_op, reflected=True))
-for _name, _op in {
-    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
-    "eq": operator.eq, "ne": operator.ne,
-}.items():
-    setattr(_ArrayOps, f"__{_name}__", _binary(_op))
-for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs, "invert": operator.invert}.items():
-    setattr(_ArrayOps, f"__{_name}__", (lambda op: lambda self: op(self.read_value()))(_op))
 
 
 # JAX's public alias of its canonicalization table (jax.interpreters.xla.__all__); looked up by type's MRO, so

@@ -33,6 +33,16 @@ def _cast_dtype() -> np.dtype | None:
     return getattr(_state, "dtype", None)
 
 
+def _cast(value: Any) -> Any:
+    """`value` (an array, or an uninitialized variable's ShapeDtypeStruct) as read in the autocast dtype."""
+    dtype = _cast_dtype()
+    if dtype is None or dtype == value.dtype:
+        return value
+    if isinstance(value, jax.ShapeDtypeStruct):  # uninitialized: the type a read will have
+        return jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
+    return value.astype(dtype)
+
+
 @contextlib.contextmanager
 def autocast(dtype: Any) -> Iterator[None]:
     """Within the block (this thread), `AutoCastVariable` reads return `dtype` (TF's `enable_auto_cast_variables`).
@@ -127,19 +137,11 @@ class AutoCastVariable(_ArrayOps):
     @property
     def value(self) -> Any:
         """The value, cast to the autocast dtype inside `autocast`."""
-        value = self._variable.value
-        dtype = _cast_dtype()
-        if dtype is None or dtype == value.dtype:
-            return value
-        if isinstance(value, jax.ShapeDtypeStruct):  # uninitialized: the type a read will have
-            return jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
-        return value.astype(dtype)
+        return _cast(self._variable.value)
 
     def read_value(self) -> Any:
         """As `value`; ValueError if the variable is uninitialized."""
-        value = self._variable.read_value()
-        dtype = _cast_dtype()
-        return value if dtype is None or dtype == value.dtype else value.astype(dtype)
+        return _cast(self._variable.read_value())
 
     def _to_storage(self, x: Any) -> Any:
         x = _unwrap(x)

@@ -39,19 +39,15 @@ def convert_to_tensor_or_indexed_slices(value: Any, dtype: Any = None, name: str
         )
     if isinstance(value, IndexedSlices):
         return value
-    if isinstance(value, (str, bytes, dict, set)) or value is None:
+    shown = isinstance(value, (str, bytes, dict, set)) or value is None  # named with its repr
+    if shown or not (hasattr(value, "__array__") or isinstance(
+            value, (jax.Array, Tracer, int, float, complex, bool, list, tuple, np.generic))):
+        what = f"{type(value).__name__} {value!r:.60}" if shown else type(value).__name__
         raise TypeError(
-            f"Cannot convert {type(value).__name__} {value!r:.60} to a tensor or IndexedSlices{where}: "
+            f"Cannot convert {what} to a tensor or IndexedSlices{where}: "
             "expected an array, a number, a Variable or IndexedSlices."
         )
-    if isinstance(value, (jax.Array, Tracer)) or hasattr(value, "__array__") or isinstance(
-        value, (int, float, complex, bool, list, tuple, np.generic)
-    ):
-        try:
-            return jnp.asarray(value, dtype=dtype)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"Cannot convert {type(value).__name__} to a tensor{where}: {e}") from None
-    raise TypeError(
-        f"Cannot convert {type(value).__name__} to a tensor or IndexedSlices{where}: "
-        "expected an array, a number, a Variable or IndexedSlices."
-    )
+    try:
+        return jnp.asarray(value, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"Cannot convert {type(value).__name__} to a tensor{where}: {e}") from None

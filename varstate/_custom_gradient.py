@@ -22,11 +22,12 @@ as ordinary residual arrays.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -46,26 +47,24 @@ _open_contexts = 0
 
 def _hook(v: Variable) -> Any:
     val = v._value
-    for ctx in getattr(_local, "stack", ()):  # bottom to top: outer custom_gradients resolve first
-        val = ctx(v, val)
+    for read in getattr(_local, "stack", ()):  # bottom to top: outer custom_gradients resolve first
+        val = read(v, val)
     return val
 
 
-class _Context:
-    def __init__(self, read: Callable[[Variable, Any], Any]) -> None:
-        self.read = read
-
-    def __enter__(self) -> None:
-        global _open_contexts
-        stack = _local.__dict__.setdefault("stack", [])
-        stack.append(self.read)
-        with _lock:
-            _open_contexts += 1
-            _variable._read_hook = _hook
-
-    def __exit__(self, *exc: object) -> None:
-        global _open_contexts
-        _local.stack.pop()
+@contextlib.contextmanager
+def _reading(read: Callable[[Variable, Any], Any]) -> Iterator[None]:
+    """Within the block, this thread's Variable reads return `read(v, value)`."""
+    global _open_contexts
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(read)
+    with _lock:
+        _open_contexts += 1
+        _variable._read_hook = _hook
+    try:
+        yield
+    finally:
+        stack.pop()
         with _lock:
             _open_contexts -= 1
             if not _open_contexts:
@@ -74,30 +73,14 @@ class _Context:
 
 def _is_outside(val: Any, trace: Any) -> bool:
     """True if `val` was not made under `trace` (f's own eval_shape trace)."""
-    if not isinstance(val, jax.Array):
-        return False  # uninitialized (ShapeDtypeStruct): nothing to lift
-    if not isinstance(val, _jax_compat.Tracer):
-        return True
-    return not _jax_compat.made_under(val, trace)
+    if isinstance(val, _jax_compat.Tracer):
+        return not _jax_compat.made_under(val, trace)
+    return isinstance(val, jax.Array)  # an uninitialized value (a ShapeDtypeStruct) has nothing to lift
 
 
-# ---------------------------------------------------------------------------
-
-
-class _Static:
-    """A pytree with no children: carries a function through custom_vjp residuals."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-
-jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.fn), lambda fn, _: _Static(fn))
-
-
-def _closure_convert(fn: Callable, example: Any) -> tuple[_Static, list]:
-    """`fn` as (static function of (args, consts), consts), every tracer it closes over hoisted.
+def _closure_convert(fn: Callable, example: Any) -> jax.tree_util.Partial:
+    """`fn` as a function of (consts, args) bound to its consts, every tracer it closes over hoisted: a `Partial`,
+    a pytree whose function is static data and whose bound consts are its children (custom_vjp residuals).
 
     Unlike `jax.closure_convert`, integer tracers (e.g. argmax indices) are
     hoisted too: a forward trace's values must not leak into the backward one.
@@ -107,12 +90,12 @@ def _closure_convert(fn: Callable, example: Any) -> tuple[_Static, list]:
     hoist = [isinstance(c, _jax_compat.Tracer) for c in consts]
     kept = [c for c, h in zip(consts, hoist, strict=True) if not h]
 
-    def converted(args: Any, hoisted: list) -> Any:
+    def converted(hoisted: list, args: Any) -> Any:
         it_kept, it_hoisted = iter(kept), iter(hoisted)
         merged = [next(it_hoisted) if h else next(it_kept) for h in hoist]
         return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(jaxpr, merged, *jax.tree.leaves(args)))
 
-    return _Static(converted), [c for c, h in zip(consts, hoist, strict=True) if h]
+    return jax.tree_util.Partial(converted, [c for c, h in zip(consts, hoist, strict=True) if h])
 
 
 def _is_var(x: Any) -> bool:
@@ -126,16 +109,6 @@ def _plain(tree: Any) -> Any:
             return x._value
         return x.__varstate_variable__()._value if hasattr(x, "__varstate_variable__") else x
     return jax.tree.map(leaf, tree, is_leaf=_is_var)
-
-
-def _accepts_variables(fn: Callable) -> tuple[bool, bool]:
-    """(accepts a `variables` keyword, names it explicitly)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True, False  # builtins and the like: let the call decide
-    named = any(p.name == "variables" and p.kind != p.POSITIONAL_ONLY for p in params)
-    return named or any(p.kind == p.VAR_KEYWORD for p in params), named
 
 
 def _cotangent(g: Any, primal: Any, where: str) -> Any:
@@ -181,10 +154,9 @@ def _arg_cotangents(grads: Any, args: tuple, fname: str) -> list:
         grads = (grads,)
     elif not isinstance(grads, (tuple, list)) or len(grads) != n:
         raise _count_error(fname, n, len(grads) if isinstance(grads, (tuple, list)) else 1)
-    out = []
+    out: list[Any] = []
     for i, (arg, g) in enumerate(zip(args, grads, strict=True)):
-        plain = _plain(arg)
-        leaves, treedef = jax.tree.flatten(plain)
+        leaves, treedef = jax.tree.flatten(_plain(arg))
         if g is None:
             out.extend([None] * len(leaves))
             continue
@@ -232,8 +204,12 @@ def _split(out: Any, fname: str) -> tuple[Any, Callable]:
 
 
 def _check_signature(grad_fn: Callable, fname: str, var_names: list[str]) -> None:
-    accepts, named = _accepts_variables(grad_fn)
-    if var_names and not accepts:
+    try:
+        params = inspect.signature(grad_fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # builtins and the like: let the call decide
+    named = any(p.name == "variables" and p.kind != p.POSITIONAL_ONLY for p in params)
+    if var_names and not (named or any(p.kind == p.VAR_KEYWORD for p in params)):
         raise TypeError(
             f"custom_gradient: grad_fn of {fname} must accept a keyword argument 'variables', because "
             f"{fname} reads trainable Variables that are not among its arguments: {var_names}. Define "
@@ -255,7 +231,7 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
     arg_ids = {id(x) for x in arg_leaves}
     found: dict[str, Any] = {}
 
-    def record(*a):
+    def record(*a: Any) -> Any:
         trace = _jax_compat.current_trace()
         reads: dict[int, tuple[Any, Any]] = {}
 
@@ -264,7 +240,7 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
                 reads[id(val)] = (v._handle, val)
             return val
 
-        with _Context(read):
+        with _reading(read):
             y, grad_fn = _split(f(*a), fname)
         forward = sorted(reads.values(), key=lambda r: r[0].name)
         # TF hands grad_fn the trainable float variables read in the forward pass; the rest get no gradient.
@@ -273,14 +249,14 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
         dys = jax.tree.map(jnp.zeros_like, y)
         dys = tuple(dys) if isinstance(y, (tuple, list)) else (dys,)
         kw = {"variables": [_from_parts(val, h) for h, val in variables]} if variables else {}
-        with _Context(read):  # grad_fn may read variables f did not: they must be lifted too
+        with _reading(read):  # grad_fn may read variables f did not: they must be lifted too
             try:
                 grad_fn(*dys, **kw)
             except Exception:  # a probe only: a faulty grad_fn is reported when it is differentiated
                 pass
-        chosen, seen = {id(val) for _, val in variables}, {id(val) for _, val in forward}
-        rest = [r for r in forward if id(r[1]) not in chosen] + [r for r in reads.values() if id(r[1]) not in seen]
-        found["lifted"], found["n_vars"] = variables + rest, len(variables)
+        # Lifted, each once: the variables grad_fn gets, then f's other reads, then those only grad_fn made.
+        lifted = {id(r[1]): r for r in [*variables, *forward, *reads.values()]}
+        found["lifted"], found["n_vars"] = list(lifted.values()), len(variables)
         return y
 
     jax.eval_shape(record, *args)
@@ -292,7 +268,7 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
     def substitute(a, lifted):
         table = dict(zip(map(id, arg_leaves), jax.tree.leaves(a), strict=True))
         table.update(zip(map(id, originals), lifted, strict=True))
-        return _Context(lambda v, val: table.get(id(val), val))
+        return _reading(lambda v, val: table.get(id(val), val))
 
     @jax.custom_vjp
     def primal(a, lifted):
@@ -302,43 +278,36 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
     def fwd(a, lifted):
         with substitute(a, lifted):  # grad_fn's own reads see the lifted values too
             y, grad_fn = _split(f(*a), fname)
-            return y, _residuals(y, grad_fn, a, lifted)
+            variables = [_from_parts(x, h) for (h, _), x in zip(reads[:n_vars], lifted, strict=False)]
+            a_tree = jax.tree.structure(a)
 
-    def _residuals(y, grad_fn, a, lifted):
-        variables = [_from_parts(x, h) for (h, _), x in zip(reads[:n_vars], lifted, strict=False)]
-        a_tree = jax.tree.structure(a)
+            def backward(dys):
+                dys = tuple(dys) if isinstance(y, (tuple, list)) else (dys,)
+                if n_vars:
+                    out = grad_fn(*dys, variables=variables)
+                    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                        raise ValueError(
+                            f"custom_gradient: {fname} reads Variables {var_names}, so its grad_fn must return "
+                            f"a pair (input_grads, variable_grads); got {type(out).__name__}."
+                        )
+                    input_grads, var_grads = out
+                    if var_grads is None or len(var_grads) != n_vars:
+                        raise ValueError(
+                            f"custom_gradient: grad_fn of {fname} returned "
+                            f"{0 if var_grads is None else len(var_grads)} variable gradients for {n_vars} "
+                            f"variables {var_names}; return one gradient (or None) per variable, in order."
+                        )
+                else:
+                    input_grads, var_grads = grad_fn(*dys), ()
+                arg_cts = _arg_cotangents(input_grads, a, fname)
+                var_cts = [_cotangent(g, x, f"variable {n!r}")
+                           for g, x, n in zip(var_grads, lifted, var_names, strict=False)]
+                var_cts += [None] * (len(lifted) - n_vars)
+                return jax.tree.unflatten(a_tree, arg_cts), var_cts
 
-        def backward(dys):
-            dys = tuple(dys) if isinstance(y, (tuple, list)) else (dys,)
-            if n_vars:
-                out = grad_fn(*dys, variables=variables)
-                if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                    raise ValueError(
-                        f"custom_gradient: {fname} reads Variables {var_names}, so its grad_fn must return "
-                        f"a pair (input_grads, variable_grads); got {type(out).__name__}."
-                    )
-                input_grads, var_grads = out
-                if var_grads is None or len(var_grads) != n_vars:
-                    raise ValueError(
-                        f"custom_gradient: grad_fn of {fname} returned "
-                        f"{0 if var_grads is None else len(var_grads)} variable gradients for {n_vars} "
-                        f"variables {var_names}; return one gradient (or None) per variable, in order."
-                    )
-            else:
-                input_grads, var_grads = grad_fn(*dys), ()
-            arg_cts = _arg_cotangents(input_grads, a, fname)
-            var_cts = [_cotangent(g, x, f"variable {n!r}")
-                       for g, x, n in zip(var_grads, lifted, var_names, strict=False)]
-            var_cts += [None] * (len(lifted) - n_vars)
-            return jax.tree.unflatten(a_tree, arg_cts), var_cts
+            return y, _closure_convert(backward, y)
 
-        return _closure_convert(backward, y)
-
-    def bwd(res, dys):
-        static, consts = res
-        return static.fn(dys, consts)
-
-    primal.defvjp(fwd, bwd)
+    primal.defvjp(fwd, lambda backward, dys: backward(dys))
     return primal(args, originals)
 
 

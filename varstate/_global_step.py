@@ -14,10 +14,10 @@ from varstate._variable import Variable, owning_variable
 
 def int64_counter(name: str, registry: Registry | None, device: Any = None) -> Variable:
     """A zero TF int64 counter: int64 under `jax_enable_x64`, else int32 (JAX's widest), saved as int64."""
-    dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
-    v = owning_variable(jnp.zeros((), dtype, device=device), name=name, trainable=False, registry=registry)
-    v.handle.saved_dtype = np.dtype(np.int64)  # TF restores only an int64 into its own counter
-    return v
+    dtype = jax.dtypes.canonicalize_dtype(np.int64)  # int32 unless jax_enable_x64
+    # saved as int64: TF restores only an int64 into its own counter
+    return owning_variable(jnp.zeros((), dtype, device=device), name=name, trainable=False, registry=registry,
+                           saved_dtype=np.dtype(np.int64))
 
 
 def get_or_create_global_step(registry: Registry | None = None) -> Variable:
@@ -38,12 +38,10 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     """
     registry = Registry.default() if registry is None else registry
     with registry._lock:
-        existing = registry._global_step
-        if existing is None:
-            existing = int64_counter("global_step", registry)
+        if registry._global_step is None:
             # The registry holds the global step strongly, as TF's collection does.
-            registry._global_step = existing
-        return existing
+            registry._global_step = int64_counter("global_step", registry)
+        return registry._global_step
 
 
 def assert_global_step(global_step: Any) -> None:

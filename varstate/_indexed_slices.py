@@ -58,18 +58,5 @@ class IndexedSlices:
         )
 
 
-jax.tree_util.register_pytree_with_keys(
-    IndexedSlices,
-    lambda s: (
-        ((jax.tree_util.GetAttrKey("values"), s.values), (jax.tree_util.GetAttrKey("indices"), s.indices)),
-        s.dense_shape,
-    ),
-    lambda shape, ch: _make(ch[0], ch[1], shape),
-    flatten_func=lambda s: ((s.values, s.indices), s.dense_shape),
-)
-
-
-def _make(values: Any, indices: Any, dense_shape: Any) -> IndexedSlices:
-    s = object.__new__(IndexedSlices)
-    s.values, s.indices, s.dense_shape = values, indices, dense_shape
-    return s
+# Unflattening calls the constructor, whose dense_shape check passes the tuple it made.
+jax.tree_util.register_dataclass(IndexedSlices, data_fields=["values", "indices"], meta_fields=["dense_shape"])

@@ -21,9 +21,6 @@ No name here is imported from `jax._src`.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -126,38 +123,3 @@ def made_under(tracer: Tracer, trace: Any) -> bool:
         # Root traces (JAX's eager trace, eager shard_map's) have no parent: the ancestry ends there.
         t = getattr(t, _PARENT_TRACE, None)
     return False
-
-
-# --- for checkpoint's export and load (reached through varstate._seam) ----------------------------
-# Looked up when first used, so a JAX release without one fails with a message naming it
-# instead of loading or writing an export unchecked.
-
-
-def _export_internal(module: str, name: str, why: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        raise JaxInternalsError(
-            f"checkpoint's export needs jax internal {module}.{name}, which JAX {jax.__version__} does not have; "
-            f"{why} Install a JAX release that has it (varstate requires jax>=0.10), or report this to varstate."
-        ) from None
-
-
-def stable_custom_call_targets() -> frozenset[str]:
-    """The custom-call targets jax.export guarantees stable: the only ones a loaded function may call."""
-    targets = _export_internal("jax._src.export._export", "_CUSTOM_CALL_TARGETS_GUARANTEED_STABLE",
-                        "it is the list of custom calls a loaded function may make.")
-    return frozenset(targets)
-
-
-@contextlib.contextmanager
-def file_names_without_directories() -> Iterator[None]:
-    """Lowering inside this context records source locations as ``file.py:line``, without the directories.
-
-    The setting is thread-local and part of JAX's trace context, so the
-    lowering is not taken from a cache filled outside the context.
-    """
-    regex = _export_internal("jax._src.config", "hlo_source_file_canonicalization_regex",
-                      "it keeps the exporting machine's directories out of the exported functions.")
-    with regex(r"^.*[/\\]"):  # JAX removes what matches: everything up to the last separator
-        yield

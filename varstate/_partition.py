@@ -39,13 +39,10 @@ class SaveSliceInfo(NamedTuple):
         try:
             *dims, parts = spec.split(" ")
             full_shape = tuple(int(d) for d in dims)
-            extents = [p.split(",") for p in parts.split(":")]
-            offset = tuple(int(s) for s, _ in extents)
-            shape = tuple(int(n) for _, n in extents)
+            # ``start,length`` pairs transposed; a pair of another length fails the unpacking, or zip's strictness.
+            offset, shape = zip(*(map(int, p.split(",")) for p in parts.split(":")), strict=True)
         except ValueError:
-            raise ValueError(
-                f"Invalid slice spec {spec!r} for {full_name!r}: expected e.g. '10 4 0,4:0,4'."
-            ) from None
+            raise ValueError(f"Invalid slice spec {spec!r} for {full_name!r}: expected e.g. '10 4 0,4:0,4'.") from None
         if len(offset) != len(full_shape):
             raise ValueError(f"Invalid slice spec {spec!r} for {full_name!r}: rank mismatch.")
         return cls(full_name, full_shape, offset, shape)
@@ -61,11 +58,16 @@ def fixed_size_partitioner(num_shards: int, axis: int = 0):
         raise ValueError(f"fixed_size_partitioner: num_shards must be a positive int, got {num_shards!r}.")
 
     def partitioner(shape: Sequence[int], dtype: Any) -> list[int]:
-        parts = [1] * len(shape)
-        parts[axis] = max(1, min(num_shards, shape[axis]))
-        return parts
+        return _split_along(shape, axis, min(num_shards, shape[axis]))
 
     return partitioner
+
+
+def _split_along(shape: Sequence[int], axis: int, shards: int) -> list[int]:
+    """A partitioner's answer: `shards` (at least one) along `axis`, one along every other dimension."""
+    parts = [1] * len(shape)
+    parts[axis] = max(1, shards)
+    return parts
 
 
 def variable_axis_size_partitioner(max_shard_bytes: int, axis: int = 0, max_shards: int | None = None):
@@ -85,24 +87,25 @@ def variable_axis_size_partitioner(max_shard_bytes: int, axis: int = 0, max_shar
         row_bytes = math.prod(d for i, d in enumerate(shape) if i != axis) * jnp.dtype(dtype).itemsize
         rows_per_shard = max(1, max_shard_bytes // max(row_bytes, 1))
         shards = math.ceil(shape[axis] / rows_per_shard)
-        if max_shards:
-            shards = min(max_shards, shards)
-        parts = [1] * len(shape)
-        parts[axis] = max(1, shards)
-        return parts
+        return _split_along(shape, axis, min(max_shards, shards) if max_shards else shards)
 
     return partitioner
 
 
-def _slices(full_shape: Sequence[int], num: int, axis: int) -> Iterator[tuple[list[int], list[int]]]:
+def _slices(full_name: str, full_shape: tuple[int, ...], num: int, axis: int) -> Iterator[SaveSliceInfo]:
     # TF puts the remainder rows on the first shards.
     base, excess = divmod(full_shape[axis], num)
-    offset = [0] * len(full_shape)
+    start = 0
     for i in range(num):
-        shape = list(full_shape)
-        shape[axis] = base + (i < excess)
-        yield list(offset), shape
-        offset[axis] += shape[axis]
+        rows = base + (i < excess)
+        offset = tuple(start if d == axis else 0 for d in range(len(full_shape)))
+        yield SaveSliceInfo(full_name, full_shape, offset, (*full_shape[:axis], rows, *full_shape[axis + 1 :]))
+        start += rows
+
+
+def _part(value: Any, info: SaveSliceInfo) -> Any:
+    """The slice of the full `value` that `info` places."""
+    return value[tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape, strict=True))]
 
 
 class PartitionedVariable:
@@ -144,13 +147,11 @@ class PartitionedVariable:
         if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
             raise TypeError(f"PartitionedVariable {name!r}: sharding must be a jax.sharding.Sharding (each shard is "
                             f"placed on it), got {type(sharding).__name__}.")
-        given = [x is not None for x in (num_shards, max_shard_bytes, partitioner)]
-        if sum(given) != 1:
+        if sum(x is not None for x in (num_shards, max_shard_bytes, partitioner)) != 1:
             raise ValueError(
                 f"PartitionedVariable {name!r}: give exactly one of num_shards, max_shard_bytes or partitioner."
             )
-        value = initial_value() if callable(initial_value) else initial_value
-        value = jnp.asarray(value, dtype=dtype)
+        value = jnp.asarray(initial_value() if callable(initial_value) else initial_value, dtype=dtype)
         if value.ndim == 0:
             raise ValueError(f"PartitionedVariable {name!r}: cannot partition a scalar.")
         if not -value.ndim <= axis < value.ndim:
@@ -170,14 +171,10 @@ class PartitionedVariable:
         scope = _current_scope()  # the shards' names get it from Variable; the full name needs it too
         full_name = f"{scope}/{name}" if scope else name
         shards = []
-        for i, (offset, shape) in enumerate(_slices(full_shape, parts[axis], axis)):
-            index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-            info = SaveSliceInfo(full_name, full_shape, tuple(offset), tuple(shape))
-            part = value[index] if sharding is None else jax.device_put(value[index], sharding)
-            shards.append(
-                Variable(part, name=f"{name}/part_{i}", trainable=trainable,
-                         save_slice_info=info, registry=registry)
-            )
+        for i, info in enumerate(_slices(full_name, full_shape, parts[axis], axis)):
+            part = _part(value, info) if sharding is None else jax.device_put(_part(value, info), sharding)
+            shards.append(Variable(part, name=f"{name}/part_{i}", trainable=trainable, save_slice_info=info,
+                                   registry=registry))
         self._variables = tuple(shards)
         self._name, self._shape, self._dtype, self._axis = full_name, full_shape, value.dtype, axis
 
@@ -225,11 +222,7 @@ class PartitionedVariable:
                 f"PartitionedVariable {self._name!r}.assign: shape mismatch: the variable has shape "
                 f"{self._shape}, the value has shape {tuple(value.shape)}."
             )
-        new = []
-        for v in self._variables:
-            info = v.save_slice_info
-            index = tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape, strict=True))
-            new.append(v.assign(value[index]))
+        new = [v.assign(_part(value, v.save_slice_info)) for v in self._variables]
         return self._from_shards(new, (self._name, self._shape, self._dtype, self._axis))
 
     def __repr__(self) -> str:
@@ -261,10 +254,4 @@ def expand_variables(var_list: Iterable[Any] | None) -> list[Any] | None:
     """
     if var_list is None:
         return None
-    out: list[Any] = []
-    for v in var_list:
-        if isinstance(v, PartitionedVariable):
-            out.extend(v)
-        else:
-            out.append(v)
-    return out
+    return [x for v in var_list for x in (v if isinstance(v, PartitionedVariable) else [v])]

@@ -13,6 +13,10 @@ import itertools
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from varstate._variable import ResourceHandle, Variable
 
 # One counter for the whole process, shared by every registry, so that ids
 # never collide even between variables of different registries.
@@ -45,26 +49,26 @@ def name_scope(name: str) -> Iterator[str]:
     'dense/kernel'
     """
     if not isinstance(name, str) or not name or name.endswith("/"):
-        raise ValueError(
-            f"name_scope: expected a non-empty string without a trailing '/', got {name!r}."
-        )
-    stack = getattr(_scope, "stack", ())
-    _scope.stack = (*stack, name)
-    try:
+        raise ValueError(f"name_scope: expected a non-empty string without a trailing '/', got {name!r}.")
+    with _scopes((*getattr(_scope, "stack", ()), name)):
         yield _current_scope()
-    finally:
-        _scope.stack = stack
+
+
+def outside_name_scopes() -> contextlib.AbstractContextManager[None]:
+    """Names given inside ignore the enclosing `name_scope`s (for a name built from a scoped one)."""
+    return _scopes(())
 
 
 @contextlib.contextmanager
-def outside_name_scopes() -> Iterator[None]:
-    """Names given inside ignore the enclosing `name_scope`s (for a name built from a scoped one)."""
-    stack = getattr(_scope, "stack", ())
-    _scope.stack = ()
+def _scopes(stack: tuple[str, ...]) -> Iterator[None]:
+    """`stack` as this thread's name scopes within the block."""
+    previous = getattr(_scope, "stack", ())
+    _scope.stack = stack
     try:
         yield
     finally:
-        _scope.stack = stack
+        _scope.stack = previous
+
 
 class Registry:
     """Tracks live resources: lookup by id and TF-style unique names.
@@ -86,13 +90,14 @@ class Registry:
     _default: Registry | None = None
 
     def __init__(self) -> None:
-        # RLock: a weakref callback may run (through GC) while this thread
-        # already holds the lock inside `_register`.
+        # RLock: get_or_create_global_step holds it while its new Variable registers here.
         self._lock = threading.RLock()
-        self._entries: dict[int, weakref.ref] = {}
-        self._names: dict[str, int] = {}
+        # Weak values: an entry, and the name it holds, leave with the last version of their variable (weakref's
+        # own callbacks remove them, and never an entry a later handle took over).
+        self._entries: weakref.WeakValueDictionary[int, ResourceHandle] = weakref.WeakValueDictionary()
+        self._names: weakref.WeakValueDictionary[str, ResourceHandle] = weakref.WeakValueDictionary()
         self._next_suffix: dict[str, int] = {}
-        self._global_step = None  # see get_or_create_global_step
+        self._global_step: Variable | None = None  # see get_or_create_global_step
 
     @classmethod
     def default(cls) -> Registry:
@@ -107,12 +112,10 @@ class Registry:
         return len(self._entries)
 
     def __contains__(self, resource_id: object) -> bool:
-        ref = self._entries.get(resource_id)  # type: ignore[arg-type]
-        return ref is not None and ref() is not None
+        return self.get(resource_id) is not None  # type: ignore[arg-type]  # any key may be asked about: absent
 
     def __getitem__(self, resource_id: int):
-        ref = self._entries.get(resource_id)
-        handle = None if ref is None else ref()
+        handle = self.get(resource_id)
         if handle is None:
             raise KeyError(
                 f"Registry: no live resource with id {resource_id!r} "
@@ -123,47 +126,36 @@ class Registry:
 
     def get(self, resource_id: int, default=None):
         """The `ResourceHandle` for `resource_id`, or `default`."""
-        ref = self._entries.get(resource_id)
-        handle = None if ref is None else ref()
-        return default if handle is None else handle
+        return self._entries.get(resource_id, default)
 
     def names(self) -> list[str]:
         """Names of the live resources, sorted."""
         return sorted(self._names)
 
     def unique_name(self, name: str) -> str:
-        """`name` if unused here, else `name_1`, `name_2`, ... (TF's scheme)."""
+        """`name` if unused here, else `name_1`, `name_2`, ... (TF's scheme); reserves nothing (TF's
+        ``unique_name(name, mark_as_used=False)``): only creating a Variable takes the name.
+
+        >>> r = Registry()
+        >>> r.unique_name("kernel"), r.unique_name("kernel")
+        ('kernel', 'kernel')
+        """
         with self._lock:
             if name not in self._names:
                 return name
             i = self._next_suffix.get(name, 1)
             while f"{name}_{i}" in self._names:
                 i += 1
-            self._next_suffix[name] = i + 1
             return f"{name}_{i}"
 
     def _register(self, handle, base_name: str) -> str:
         with self._lock:
             name = self.unique_name(base_name)
-            rid = handle.resource_id
-            self._names[name] = rid
-            self._entries[rid] = weakref.ref(handle, self._finalizer(rid, name))
+            if name != base_name:  # `base_name_<i>`: later ones start after it, as TF counts uses of a name
+                self._next_suffix[base_name] = int(name[len(base_name) + 1 :]) + 1
+            self._entries[handle.resource_id] = handle
+            self._names[name] = handle
             return name
-
-    def _finalizer(self, rid: int, name: str):
-        # The callback must not keep the registry alive.
-        self_ref = weakref.ref(self)
-
-        def remove(_ref) -> None:
-            registry = self_ref()
-            if registry is None:
-                return
-            with registry._lock:
-                registry._entries.pop(rid, None)
-                if registry._names.get(name) == rid:
-                    del registry._names[name]
-
-        return remove
 
     def __repr__(self) -> str:
         return f"Registry({len(self)} live resources)"

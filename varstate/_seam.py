@@ -27,17 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from varstate._jax_compat import file_names_without_directories, stable_custom_call_targets
-from varstate._variable import Variable
+from varstate._variable import Variable, derived
 
-__all__ = [
-    "file_names_without_directories",
-    "record_saved_dtype",
-    "saved_dtype",
-    "slot_link",
-    "stable_custom_call_targets",
-    "with_value",
-]
+__all__ = ["record_saved_dtype", "saved_dtype", "slot_link", "with_value"]
 
 
 def with_value(var: Variable, value: Any) -> Variable:
@@ -48,7 +40,7 @@ def with_value(var: Variable, value: Any) -> Variable:
 def slot_link(var: Variable) -> tuple[int, str] | None:
     """(primary's resource id, slot name) when `var` is an optimizer slot, else None."""
     handle = var.handle
-    if handle.slot_of is None:
+    if handle.slot_of is None or handle.slot_name is None:  # set together (optimizers' make_slot)
         return None
     return handle.slot_of, handle.slot_name
 
@@ -59,8 +51,18 @@ def saved_dtype(var: Variable) -> np.dtype:
     return np.dtype(var.dtype if recorded is None else recorded)
 
 
-def record_saved_dtype(var: Variable, dtype: Any) -> None:
-    """Remember that `var` is stored as `dtype` (a restored int64 held as int32)."""
+def record_saved_dtype(var: Variable, dtype: Any) -> Variable:
+    """`var`, remembering that it is stored as `dtype` (a restored int64 held as int32): itself when its handle
+    says so already, else a version with a handle of its own (the one it shares, a template's, is immutable)."""
     # A quantized TF dtype compares equal to its integer storage: its metadata tag is what keeps it.
     dtype = np.dtype(dtype)
-    var.handle.saved_dtype = None if dtype == np.dtype(var.dtype) and not dtype.metadata else dtype
+    recorded = None if dtype == np.dtype(var.dtype) and not dtype.metadata else dtype
+    current = var.handle.saved_dtype
+    if _tagged(recorded) == _tagged(current):
+        return var
+    return derived(var, saved_dtype=recorded)
+
+
+def _tagged(dtype: np.dtype | None) -> tuple[np.dtype, Any] | None:
+    # Compared with its tag (see above); None kept apart, as numpy reads a None it is compared with as float64.
+    return None if dtype is None else (dtype, dtype.metadata)

@@ -43,6 +43,9 @@ def with_values(template: Any, arrays: Any) -> Any:
     try:
         a_leaves = t_def.flatten_up_to(arrays)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"with_values: `arrays` does not have the template's structure {t_def}: {e}") from None
+        raise ValueError(
+            f"with_values: `arrays` does not have the template's structure {t_def}: {e} "
+            "Pass arrays in the structure varstate.values(template) returns."
+        ) from None
     return t_def.unflatten([t.assign(a) if isinstance(t, Variable) else a for t, a in zip(t_leaves, a_leaves,
                                                                                           strict=True)])

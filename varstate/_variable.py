@@ -9,11 +9,13 @@ jit's cache stay at C level, and unflatten is two attribute stores.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from varstate._array_ops import _ArrayOps, _unwrap
 from varstate._indexed_slices import IndexedSlices
@@ -64,7 +66,7 @@ class ResourceHandle:
     """The identity shared by every version of one variable.
 
     Static pytree data: equality and hash are object identity (C level).
-    Attributes are fixed at creation; `slot_of`/`slot_name` link an optimizer
+    Immutable: attributes are fixed at creation; `slot_of`/`slot_name` link an optimizer
     slot to its primary's resource id; `saved_dtype`, when not None, is the
     dtype checkpoints store instead of the value's (TF's int64 global step
     while JAX's 64-bit types are off).
@@ -75,22 +77,25 @@ class ResourceHandle:
     (True, True)
     """
 
-    __slots__ = (
-        "__weakref__",
-        "aggregation",
-        "name",
-        "registry",
-        "resource_id",
-        "save_slice_info",
-        "saved_dtype",
-        "slot_name",
-        "slot_of",
-        "synchronization",
-        "trainable",
-    )
+    resource_id: int
+    name: str
+    trainable: bool
+    synchronization: VariableSynchronization
+    aggregation: VariableAggregation
+    save_slice_info: Any
+    slot_of: int | None
+    slot_name: str | None
+    saved_dtype: np.dtype | None
+    registry: Registry
+    origin: ResourceHandle | None  # the handle this one was derived from (see `derived`): kept alive, registered
+    __slots__ = ("__weakref__", *__annotations__)  # one slot per attribute above
 
     def __repr__(self) -> str:
         return f"ResourceHandle(id={self.resource_id}, name={self.name!r})"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Every version of the variable, and every template a restore was given, shares this object.
+        raise AttributeError(f"ResourceHandle {self.name!r} is immutable: {name} is fixed at creation.")
 
     def __reduce__(self):
         # Handles are process-local identities; copying one would fork it.
@@ -107,24 +112,44 @@ def _from_parts(value: Any, handle: ResourceHandle) -> Variable:
     return v
 
 
+def _new_handle(attributes: dict[str, Any]) -> ResourceHandle:
+    """A handle holding `attributes` (all of them: see the annotations), set past its immutability."""
+    h = _new(ResourceHandle)
+    for key, x in attributes.items():
+        object.__setattr__(h, key, x)
+    return h
+
+
 def owning_variable(
     value: Any, *, name: str | None = None, trainable: bool | None = None, registry: Any = None,
-    save_slice_info: Any = None,
+    save_slice_info: Any = None, copy: bool = False, **fixed: Any,
 ) -> Variable:
-    """A Variable holding `value` without copying it: a fresh array its caller made for it alone (a slot's zeros)."""
+    """A Variable holding `value` without copying it (unless `copy`): a fresh array its caller made for it alone (a
+    slot's zeros). `fixed` gives the handle's other attributes (slot_of, slot_name, saved_dtype) at creation."""
     v = _new(Variable)
     v._init(value, name, trainable, None, VariableSynchronization.AUTO, VariableAggregation.NONE, registry,
-            save_slice_info, copy=False)
+            save_slice_info, copy=copy, **fixed)
     return v
+
+
+def derived(var: Variable, **changes: Any) -> Variable:
+    """A version of `var` whose handle differs in `changes` (a restored saved dtype): same resource id, name and
+    registry entry, while the handle `var` shares with its other versions (a restore's template) stays as it was."""
+    old = var._handle
+    attributes = {key: getattr(old, key) for key in ResourceHandle.__annotations__}
+    # The registry holds the first handle weakly: each derived one keeps it alive.
+    return _from_parts(var._value, _new_handle({**attributes, **changes, "origin": old.origin or old}))
 
 
 # While a `custom_gradient` function runs, reads consult this hook (a function
 # of the Variable) so that lifted values replace closed-over ones; None
 # otherwise, which keeps the common read a single global check.
-_read_hook = None
+_read_hook: Callable[[Variable], Any] | None = None
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, list, tuple)
+# What assign and its kin take, for type checkers: an array, a number, a nested list of numbers, a variable.
+_Value = ArrayLike | _ArrayOps | list[Any] | tuple[Any, ...]
 
 
 class DonatedVariableError(RuntimeError):
@@ -178,10 +203,8 @@ def _copy(x: jax.Array) -> jax.Array:
 
 
 def _as_value(value: Any, dtype: Any, what: str, copy: bool = True) -> Any:
-    if isinstance(value, Variable):
-        if is_deleted_array(value._value):
-            raise _donated(value)
-        value = value._value
+    if isinstance(value, Variable):  # its value (DonatedVariableError if spent), or its ShapeDtypeStruct
+        value = value.read_value() if value.is_initialized else value._value
     if isinstance(value, jax.ShapeDtypeStruct):
         return value if dtype is None else jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
     if not isinstance(value, _ARRAY_TYPES) or isinstance(value, (str, bytes)):
@@ -251,7 +274,7 @@ class Variable(_ArrayOps):
                    copy=True)
 
     def _init(self, initial_value, name, trainable, dtype, synchronization, aggregation, registry, save_slice_info,
-              *, copy: bool) -> None:
+              *, copy: bool, **fixed: Any) -> None:
         if in_transformation() or isinstance(initial_value, Tracer):
             raise ValueError(
                 f"Variable {name or 'Variable'!r} created inside a JAX transformation "
@@ -282,17 +305,11 @@ class Variable(_ArrayOps):
         base = name or "Variable"
         scope = _current_scope()
         base = f"{scope}/{base}" if scope else base
-        h = ResourceHandle.__new__(ResourceHandle)
-        h.resource_id = _next_resource_id()
-        h.trainable = bool(trainable)
-        h.synchronization = synchronization
-        h.aggregation = aggregation
-        h.save_slice_info = save_slice_info
-        h.slot_of = None
-        h.slot_name = None
-        h.saved_dtype = None
-        h.registry = registry
-        h.name = registry._register(h, base)
+        h = _new_handle({"resource_id": _next_resource_id(), "name": base, "trainable": bool(trainable),
+                         "synchronization": synchronization, "aggregation": aggregation,
+                         "save_slice_info": save_slice_info, "slot_of": None, "slot_name": None, "saved_dtype": None,
+                         "registry": registry, "origin": None, **fixed})
+        object.__setattr__(h, "name", registry._register(h, base))  # registered once it has its id
         self._value = value
         self._handle = h
 
@@ -399,9 +416,7 @@ class Variable(_ArrayOps):
         if isinstance(value, (int, float, complex, bool, list, tuple)):
             value = _as_value(value, dtype, f"Variable {self.name!r}.{op}")
         elif not hasattr(value, "shape") or not hasattr(value, "dtype") or isinstance(value, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"Variable {self.name!r}.{op}: expected an array, got {type(value).__name__}."
-            )
+            raise TypeError(f"Variable {self.name!r}.{op}: expected an array, got {type(value).__name__}.")
         elif isinstance(value, (np.ndarray, np.generic)) and np.can_cast(value.dtype, dtype, "same_kind"):
             value = jnp.asarray(value, dtype)  # as TF converts a numpy value (float64 -> float32)
         elif value.dtype != dtype:
@@ -427,15 +442,15 @@ class Variable(_ArrayOps):
     def _with_value(self, value: Any) -> Variable:
         return _from_parts(value, self._handle)
 
-    def assign(self, value: Any) -> Variable:
+    def assign(self, value: _Value) -> Variable:
         """A new version holding `value` (same shape and dtype; a concrete jax.Array is copied)."""
         return _from_parts(self._checked(value, "assign"), self._handle)
 
-    def assign_add(self, delta: Any) -> Variable:
+    def assign_add(self, delta: _Value) -> Variable:
         """A new version holding `value + delta`."""
         return _from_parts(self.read_value() + self._checked(delta, "assign_add"), self._handle)
 
-    def assign_sub(self, delta: Any) -> Variable:
+    def assign_sub(self, delta: _Value) -> Variable:
         """A new version holding `value - delta`."""
         return _from_parts(self.read_value() - self._checked(delta, "assign_sub"), self._handle)
 
@@ -476,12 +491,9 @@ class Variable(_ArrayOps):
                 )
         # Under tracing indices cannot be checked; out-of-range rows (negative ones too) are dropped.
         at = value.at[indices]
-        if op == "scatter_update":
-            new = at.set(updates, mode="drop", wrap_negative_indices=False)
-        elif op == "scatter_add":
-            new = at.add(updates, mode="drop", wrap_negative_indices=False)
-        else:
-            new = at.add(-updates, mode="drop", wrap_negative_indices=False)
+        if op == "scatter_sub":
+            updates = -updates
+        new = (at.set if op == "scatter_update" else at.add)(updates, mode="drop", wrap_negative_indices=False)
         return _from_parts(new, self._handle)
 
     def scatter_add(self, sparse_delta: IndexedSlices) -> Variable:
@@ -571,6 +583,4 @@ def format_device(v: Any) -> str:
     if sharding is None or isinstance(getattr(v, "value", None), Tracer):
         return "(resource)"
     devices = sharding.device_set
-    if len(devices) == 1:
-        return f"{next(iter(devices))} (resource)"
-    return f"{sharding} (resource)"
+    return f"{next(iter(devices)) if len(devices) == 1 else sharding} (resource)"

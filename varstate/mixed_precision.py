@@ -4,17 +4,22 @@ A training step in ``mixed_bfloat16``: keep the Variables in float32, wrap the
 float ones with `autocast_variables`, compute inside
 ``varstate.autocast(policy.compute_dtype)``; with ``mixed_float16`` also wrap
 the optimizer in `LossScaleOptimizer`.
+
+>>> from varstate import mixed_precision
+>>> policy = mixed_precision.Policy("mixed_bfloat16")
+>>> policy.compute_dtype, policy.variable_dtype
+('bfloat16', 'float32')
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any as _Any
 
-import jax
-import jax.numpy as jnp
+import jax as _jax
+import jax.numpy as _jnp
 
-from varstate._autocast import AutoCastVariable
-from varstate._variable import Variable
+from varstate._autocast import AutoCastVariable as _AutoCastVariable
+from varstate._variable import Variable as _Variable
 from varstate.optimizers._loss_scale import LossScaleOptimizer
 
 __all__ = ["LossScaleOptimizer", "Policy", "autocast_variables"]
@@ -29,6 +34,7 @@ _REMOVED = {
 
 # TF's dtype names that are not numpy's (numpy reads "float" as float64).
 _TF_ALIASES = {"float": "float32", "half": "float16", "double": "float64"}
+_MIXED = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}  # compute dtypes, with float32 variables
 
 
 class Policy:
@@ -47,7 +53,7 @@ class Policy:
 
     def __init__(self, name: str) -> None:
         if not isinstance(name, str):
-            hint = " (a dtype: pass its name, e.g. 'float32')" if isinstance(name, (type, jnp.dtype)) else ""
+            hint = " (a dtype: pass its name, e.g. 'float32')" if isinstance(name, (type, _jnp.dtype)) else ""
             raise TypeError(f"Policy name must be a string, got {type(name).__name__} {name!r}{hint}.")
         self._name = name
         self._compute_dtype, self._variable_dtype = _parse(name)
@@ -83,14 +89,12 @@ def _parse(name: str) -> tuple[str, str]:
             f"Policy {name!r}: policies ending in '_float32_vars' were removed from TensorFlow"
             + (f"; use {use} instead." if use else "; use 'mixed_float16' or 'mixed_bfloat16'.")
         )
-    if name == "mixed_float16":
-        return "float16", "float32"
-    if name == "mixed_bfloat16":
-        return "bfloat16", "float32"
+    if name in _MIXED:
+        return _MIXED[name], "float32"
     if name in _TF_ALIASES:
         return _TF_ALIASES[name], _TF_ALIASES[name]
     try:
-        dtype = jnp.dtype(name)
+        dtype = _jnp.dtype(name)
     except TypeError:
         dtype = None
     if dtype is None or dtype.name != name:
@@ -101,7 +105,7 @@ def _parse(name: str) -> tuple[str, str]:
     return dtype.name, dtype.name
 
 
-def autocast_variables(params: Any) -> Any:
+def autocast_variables(params: _Any) -> _Any:
     """`params` with each floating-point Variable wrapped in `AutoCastVariable` (others unchanged).
 
     >>> import jax.numpy as jnp, varstate
@@ -111,9 +115,9 @@ def autocast_variables(params: Any) -> Any:
     >>> type(wrapped["w"]).__name__, type(wrapped["step"]).__name__
     ('AutoCastVariable', 'Variable')
     """
-    def wrap(x: Any) -> Any:
-        if isinstance(x, Variable) and jnp.issubdtype(x.dtype, jnp.floating):
-            return AutoCastVariable(x)
+    def wrap(x: _Any) -> _Any:
+        if isinstance(x, _Variable) and _jnp.issubdtype(x.dtype, _jnp.floating):
+            return _AutoCastVariable(x)
         return x
 
-    return jax.tree.map(wrap, params, is_leaf=lambda x: isinstance(x, (Variable, AutoCastVariable)))
+    return _jax.tree.map(wrap, params, is_leaf=lambda x: isinstance(x, (_Variable, _AutoCastVariable)))

@@ -37,10 +37,10 @@ Module (`nnx.merge`), the template untouched.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any as _Any
 
-from varstate._registry import Registry
-from varstate._variable import Variable
+from varstate._registry import Registry as _Registry
+from varstate._variable import Variable as _Variable
 
 __all__ = ["from_nnx", "to_nnx"]
 
@@ -51,7 +51,7 @@ def _nnx():
     return nnx
 
 
-def _flat(module_or_state: Any) -> list[tuple[tuple, Any]]:
+def _flat(module_or_state: _Any) -> list[tuple[tuple, _Any]]:
     nnx = _nnx()
     if isinstance(module_or_state, nnx.Module):
         state = nnx.state(module_or_state)
@@ -66,29 +66,40 @@ def _flat(module_or_state: Any) -> list[tuple[tuple, Any]]:
     return [(tuple(path), var) for path, var in nnx.to_flat_state(state) if not isinstance(var, rng_types)]
 
 
-def from_nnx(module_or_state: Any, *, registry: Registry | None = None) -> dict[Any, Any]:
+def from_nnx(module_or_state: _Any, *, registry: _Registry | None = None) -> dict[_Any, _Any]:
     """The nnx state as a nested dict of Variables keyed by nnx path; see the module docstring.
 
     Each Variable copies its value (as `varstate.Variable` does), so a donated
     optimizer step never deletes the Module's arrays.
+
+    >>> import varstate
+    >>> from flax import nnx
+    >>> params = from_nnx(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), registry=varstate.Registry())
+    >>> sorted(params), params["bias"].name, params["bias"].shape
+    (['bias', 'kernel'], 'bias', (3,))
     """
+    from flax.traverse_util import unflatten_dict  # as `_nnx`: imported here
+
     nnx = _nnx()
-    out: dict[Any, Any] = {}
-    for path, var in _flat(module_or_state):
-        name = "/".join(str(p) for p in path)
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = Variable(var.get_value(), name=name, trainable=isinstance(var, nnx.Param),
-                                  registry=registry)
-    return out
+    return unflatten_dict({
+        path: _Variable(var.get_value(), name="/".join(str(p) for p in path), trainable=isinstance(var, nnx.Param),
+                        registry=registry)
+        for path, var in _flat(module_or_state)
+    })
 
 
-def to_nnx(module: Any, params: Any) -> None:
+def to_nnx(module: _Any, params: _Any) -> None:
     """Writes the values of `params` (as made by `from_nnx`, or a subset of it) into `module` (`nnx.update`).
 
     Raises KeyError naming the first path of `params` that the Module does not
     have, and ValueError naming a path whose shape or dtype differs.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> to_nnx(model, {"bias": varstate.Variable(jnp.ones(3))})
+    >>> model.bias[...].tolist()
+    [1.0, 1.0, 1.0]
     """
     nnx = _nnx()
     if not isinstance(module, nnx.Module):
@@ -96,12 +107,12 @@ def to_nnx(module: Any, params: Any) -> None:
     current = dict(_flat(module))
     updates = []
 
-    def walk(node: Any, path: tuple) -> None:
+    def walk(node: _Any, path: tuple) -> None:
         if isinstance(node, dict):
             for k, v in node.items():
                 walk(v, (*path, k))
             return
-        value = node.value if isinstance(node, Variable) else node
+        value = node.value if isinstance(node, _Variable) else node
         target = current.get(path)
         if target is None:
             raise KeyError(f"to_nnx: the Module has no variable at {'/'.join(map(str, path))!r}; its paths are "

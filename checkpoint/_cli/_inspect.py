@@ -15,7 +15,9 @@ _VALUE_SUFFIX = _keys.value_suffix()
 
 
 # --- inspect -------------------------------------------------------------------
-def _value_info(reader, key: str, attribute: str) -> dict[str, Any]:
+def _value_info(reader, key: str, attribute: str = _keys.VARIABLE_VALUE) -> dict[str, Any]:
+    if key not in reader:
+        return {"key": key, "missing": True}
     dtype, _, size = out.describe_value(reader, key)
     info = {"key": key, "dtype": dtype, "shape": list(reader.shape(key)), "bytes": size}
     return info if attribute == _keys.VARIABLE_VALUE else {**info, "attribute": attribute}
@@ -35,7 +37,7 @@ def _bfs_paths(nodes) -> dict[int, str]:
     for node_id in queue:
         for child in nodes[node_id].children:
             if child.node_id not in paths and 0 <= child.node_id < len(nodes):
-                paths[child.node_id] = f"{paths[node_id]}/{_keys.escape(child.local_name)}".lstrip("/")
+                paths[child.node_id] = _keys.child_path(paths[node_id], child.local_name)
                 queue.append(child.node_id)
     return paths
 
@@ -60,7 +62,7 @@ def _tree_rows(nodes, describe) -> list[dict[str, Any]]:
                                  "of": paths.get(slot.original_variable_node_id, "?"),
                                  **describe(slot.slot_variable_node_id)})
             continue
-        path = f"{paths[node_id]}/{_keys.escape(child.local_name)}".lstrip("/")
+        path = _keys.child_path(paths[node_id], child.local_name)
         if paths.get(child.node_id) != path:
             rows.append({"depth": depth, "name": child.local_name, "path": path,
                          "same_as": paths.get(child.node_id, "?")})
@@ -72,18 +74,14 @@ def _tree_rows(nodes, describe) -> list[dict[str, Any]]:
 
 def _graph_rows(graph, reader) -> tuple[list[dict[str, Any]], set[str]]:
     """The checkpoint's object graph as rows (see `_tree_rows`), and the keys it reaches."""
-    nodes, reader_keys = graph.nodes, set(reader.keys())
     seen: set[str] = set()
 
     def describe(node_id: int) -> dict[str, Any]:
-        values = []
-        for attr in nodes[node_id].attributes:
-            seen.add(attr.checkpoint_key)
-            values.append(_value_info(reader, attr.checkpoint_key, attr.name) if attr.checkpoint_key in reader_keys
-                          else {"key": attr.checkpoint_key, "missing": True})
-        return {"values": values}
+        attributes = graph.nodes[node_id].attributes
+        seen.update(attr.checkpoint_key for attr in attributes)
+        return {"values": [_value_info(reader, attr.checkpoint_key, attr.name) for attr in attributes]}
 
-    return _tree_rows(nodes, describe), seen
+    return _tree_rows(graph.nodes, describe), seen
 
 
 def _row_label(row: dict[str, Any]) -> str:
@@ -126,28 +124,24 @@ def _total(n: int, total: int) -> str:
 
 
 def inspect(args) -> int:
-    if out.is_export(args.path):
+    if os.path.isdir(args.path) and os.path.lexists(os.path.join(args.path, _storage.EXPORT_FILE)):
         return _inspect_export(args)
-    if out.is_saved_model(args.path):
+    if os.path.isdir(args.path) and os.path.isfile(os.path.join(args.path, _storage.SAVED_MODEL_FILE)):
         return _inspect_saved_model(args)
     reader = _storage.open_reader(args.path)
     if args.key is not None:
         return _inspect_key(reader, args.key, args.json)
     keys = out.key_list(reader)
-    total = 0
-    for key in keys:
-        total += out.nbytes(reader, key)
-    where = getattr(reader, "prefix", None) or getattr(reader, "path", args.path)
-    title = f"{where}: {out.format_name(reader)}"
-    footer = _total(len(keys), total)
+    total = sum(out.nbytes(reader, k) for k in keys)
+    title, footer = f"{reader.path}: {reader.format_name}", _total(len(keys), total)
     graph = out.object_graph(reader)
     rows, seen = _graph_rows(graph, reader) if graph is not None else ([], set())
-    slices = getattr(reader, "get_slices", lambda key: [])
+    slices = reader.get_slices
     if args.json:
-        out.print_json({"path": where, "format": out.format_name(reader), "values": len(keys), "bytes": total,
-                     "objects": rows if graph is not None else None,
-                     "keys": [{**_value_info(reader, k, _keys.VARIABLE_VALUE), "slices": len(slices(k)),
-                               "in_object_graph": k in seen} for k in keys]})
+        out.print_json({"path": reader.path, "format": reader.format_name, "values": len(keys), "bytes": total,
+                        "objects": rows if graph is not None else None,
+                        "keys": [{**_value_info(reader, k), "slices": len(slices(k)), "in_object_graph": k in seen}
+                                 for k in keys]})
         return 0
     if graph is not None:
         rows += [{"depth": 0, "name": f"{k} (outside the object graph)", "kind": " ".join(map(str, out.describe_value(
@@ -224,8 +218,7 @@ class _Node:
 
 
 def _spec_json(spec) -> dict[str, Any]:
-    return {"dtype": "string" if spec.dtype is not None and out.is_str(spec.dtype) else
-            None if spec.dtype is None else spec.dtype.name,
+    return {"dtype": None if spec.dtype is None else out.dtype_name(spec.dtype),
             "shape": None if spec.shape is None else list(spec.shape), "tensor": spec.tensor,
             **({} if spec.encoding == "name" else {"encoding": spec.encoding})}
 
@@ -241,7 +234,7 @@ def _inspect_saved_model(args) -> int:
     from checkpoint._tf._saved_model import read_saved_model
 
     if args.key is not None:
-        return _inspect_key(out.open_reader(args.path), args.key, args.json)
+        return _inspect_key(_storage.open_reader(args.path), args.key, args.json)
     sm = read_saved_model(args.path)
     nodes = [_Node(n.children) for n in sm.nodes]
 
@@ -249,13 +242,14 @@ def _inspect_saved_model(args) -> int:
         n = sm.nodes[node_id]
         if n.kind == "variable":
             value = sm.variables.get(n.path) if n.path is not None else None
-            info: dict[str, Any] = {"dtype": "string" if n.dtype is not None and out.is_str(n.dtype) else
-                                    None if n.dtype is None else n.dtype.name,
+            info: dict[str, Any] = {"dtype": None if n.dtype is None else out.dtype_name(n.dtype),
                                     "shape": None if n.shape is None else list(n.shape)}
             if value is not None:
                 info["bytes"] = (sum(len(x) for x in np.asarray(value).ravel()) if out.is_str(value.dtype)
                                  else int(value.nbytes))
-            label = f"variable {n.name!r}" + ("" if n.trainable else ", not trainable")
+            shape = "unknown rank" if n.shape is None else str(tuple(n.shape))
+            size = f" {out.human(info['bytes'])}" if "bytes" in info else ""
+            label = f"variable {n.name!r}{'' if n.trainable else ', not trainable'}  {info['dtype']} {shape}{size}"
             return {"kind": label, "variable": {"name": n.name, "trainable": n.trainable, **info}}
         if n.kind == "asset":
             return {"kind": f"asset {os.path.basename(n.asset_path or '')}", "asset": n.asset_path}
@@ -264,16 +258,10 @@ def _inspect_saved_model(args) -> int:
         return {"kind": n.kind or "unknown kind"}
 
     rows = _tree_rows(nodes, describe)
-    for row in rows:
-        v = row.get("variable")
-        if v is not None and "same_as" not in row:
-            shape = "unknown rank" if v["shape"] is None else str(tuple(v["shape"]))
-            size = f" {out.human(v['bytes'])}" if "bytes" in v else ""
-            row["kind"] = f"{row['kind']}  {v['dtype']} {shape}{size}"
-    signatures = [{"name": sig.name, "method_name": sig.method_name,
-                   "inputs": {k: _spec_json(x) for k, x in sig.inputs.items()},
-                   "outputs": {k: _spec_json(x) for k, x in sig.outputs.items()}} for sig in sm.signatures.values()]
-    total = sum(r["variable"].get("bytes", 0) for r in rows if "variable" in r and "same_as" not in r)
+    signatures: list[dict[str, Any]] = [
+        {"name": sig.name, "method_name": sig.method_name, "inputs": {k: _spec_json(x) for k, x in sig.inputs.items()},
+         "outputs": {k: _spec_json(x) for k, x in sig.outputs.items()}} for sig in sm.signatures.values()]
+    total = sum(r["variable"].get("bytes", 0) for r in rows if "variable" in r)
     n_values = len(sm.variables)
     if args.json:
         out.print_json({"path": sm.path, "format": "saved_model", "tags": list(sm.tags),
@@ -285,8 +273,7 @@ def _inspect_saved_model(args) -> int:
              f"written by TensorFlow {sm.tensorflow_version or 'unknown'})")
     _print_tree(title, rows, _total(n_values, total))
     for sig in signatures:
-        ins = ", ".join(_spec_text(k, v) for k, v in sig["inputs"].items())
-        outs = ", ".join(_spec_text(k, v) for k, v in sig["outputs"].items())
+        ins, outs = (", ".join(_spec_text(k, v) for k, v in sig[side].items()) for side in ("inputs", "outputs"))
         out.say(f"signature {sig['name']}: ({ins}) -> ({outs})")
     for path, file in sm.assets.items():
         out.say(f"asset {path}: {file}")
@@ -299,35 +286,28 @@ def _inspect_export(args) -> int:
 
     directory = os.path.abspath(args.path)
     definition = _load.read_definition(directory)
-    reader = out.open_reader(directory)
+    reader = _storage.open_reader(directory)
     if args.key is not None:
         return _inspect_key(reader, args.key, args.json)
     graph, bundle_graph = definition.object_graph, out.object_graph(reader)
-    nodes = graph.nodes
-    reader_keys = set(reader.keys())
-    names = {_format.WRAPPERS[t]: t.__name__ for t in _format.WRAPPERS}
-    names[_format.SIGNATURE_MAP] = "signature map"
+    names = {**{ident: t.__name__ for t, ident in _format.WRAPPERS.items()}, _format.SIGNATURE_MAP: "signature map"}
 
     def describe(node_id: int) -> dict[str, Any]:
-        node = nodes[node_id]
+        node = graph.nodes[node_id]
         kind = node.WhichOneof("kind")
         if kind == "variable":
             v = node.variable
-            key = _variable_key(bundle_graph, node_id)
-            info = _value_info(reader, key, _keys.VARIABLE_VALUE) if key in reader_keys else {"key": key,
-                                                                                               "missing": True}
             return {"kind": f"variable {v.name!r}", "variable": {"name": v.name, "trainable": v.trainable},
-                    "values": [info], **({} if v.trainable else {"note": "not trainable"})}
+                    "values": [_value_info(reader, _variable_key(bundle_graph, node_id))],
+                    **({} if v.trainable else {"note": "not trainable"})}
         if kind == "constant":
             key = node.constant.operation
-            if key not in reader_keys:
-                return {"kind": "constant", "values": [{"key": key, "missing": True}]}
-            if key.endswith(_keys.value_suffix(_keys.PY_STATE)):
+            if key in reader and key.endswith(_keys.value_suffix(_keys.PY_STATE)):
                 item = np.asarray(reader.get(key)).item()
                 item = item.decode("utf-8", "backslashreplace") if isinstance(item, bytes) else item
                 shown = repr(item) if len(repr(item)) <= 40 else repr(item)[:40] + "..."
                 return {"kind": f"python {type(item).__name__} {shown}", "python_value": out.number(item)}
-            return {"kind": "constant", "values": [_value_info(reader, key, _keys.VARIABLE_VALUE)]}
+            return {"kind": "constant", "values": [_value_info(reader, key)]}
         if kind == "asset":
             i = node.asset.asset_file_def_index
             files = definition.asset_file_def
@@ -343,8 +323,8 @@ def _inspect_export(args) -> int:
             return {"kind": shown or "object", "type": uo.identifier, "python_type": uo.metadata}
         return {"kind": f"unknown kind {kind!r}"}
 
-    rows = _tree_rows(nodes, describe)
-    paths = _bfs_paths(nodes)
+    rows = _tree_rows(graph.nodes, describe)
+    paths = _bfs_paths(graph.nodes)
     signatures = []
     for row in rows:
         if "function" not in row or "same_as" in row:

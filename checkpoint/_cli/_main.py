@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from checkpoint import _storage
+import checkpoint
+from checkpoint import _keys, _storage
 from checkpoint._cli import _out as out
 from checkpoint._cli._inspect import inspect
 
@@ -31,8 +32,7 @@ from checkpoint._cli._inspect import inspect
 def _read_all(reader, keys: list[str], what: str) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (key, value), with a progress bar over the bytes when stdout is a terminal."""
     if not out.is_terminal():
-        for key in keys:
-            yield key, reader.get(key)
+        yield from ((key, reader.get(key)) for key in keys)
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -51,10 +51,8 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
         return False
     if out.is_str(a.dtype) and out.is_str(b.dtype):
         return all(bytes(x) == bytes(y) for x, y in zip(a.ravel(), b.ravel(), strict=True))
-    if a.dtype != b.dtype:
-        return False
     # Bitwise: NaNs and signed zeros must survive a conversion unchanged.
-    return a.tobytes() == b.tobytes()
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
@@ -83,12 +81,13 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
 def _convert(args) -> int:
     if os.path.exists(args.dst) or os.path.exists(args.dst + ".index"):
         raise out.UsageError(f"destination {args.dst!r} already exists; remove it or choose another path")
-    reader = out.open_reader(args.src)
+    reader = _storage.open_reader(args.src)
     keys = out.key_list(reader)
     tensors = dict(_read_all(reader, keys, "reading"))
     graph = out.object_graph(reader)
     if args.to == "tf":
-        _storage.write_bundle(args.dst, {**tensors, out.GRAPH_KEY: graph.SerializeToString()} if graph else tensors)
+        _storage.write_bundle(args.dst, {**tensors, _keys.OBJECT_GRAPH_KEY: graph.SerializeToString()}
+                              if graph else tensors)
     else:
         _write_orbax(args.dst, tensors, graph)
     back = _storage.open_reader(args.dst)
@@ -119,8 +118,8 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
         ua, ub = a.astype(wide).view(np.uint64), b.astype(wide).view(np.uint64)
         d = np.where(a.astype(wide) >= b.astype(wide), ua - ub, ub - ua)
         return float(int(d.max()))
-    wide = np.complex128 if a.dtype.kind == "c" else np.float64
-    a, b = a.astype(wide), b.astype(wide)
+    inexact = np.complex128 if a.dtype.kind == "c" else np.float64
+    a, b = a.astype(inexact), b.astype(inexact)
     d = np.abs(a - b)
     nan_a, nan_b = np.isnan(a), np.isnan(b)
     if np.any(nan_a != nan_b):
@@ -130,10 +129,10 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _diff(args) -> int:
-    ra, rb = out.open_reader(args.a), out.open_reader(args.b)
+    ra, rb = _storage.open_reader(args.a), _storage.open_reader(args.b)
     ka, kb = set(out.key_list(ra)), set(out.key_list(rb))
     report: dict[str, Any] = {"a": args.a, "b": args.b, "atol": args.atol}
-    spec = lambda r, k: {"key": k, "dtype": out.describe_value(r, k)[0], "shape": list(r.shape(k))}
+    spec = lambda r, k: {"key": k, "dtype": out.dtype_name(r.dtype(k)), "shape": list(r.shape(k))}
     report["only_in_a"] = [spec(ra, k) for k in sorted(ka - kb)]
     report["only_in_b"] = [spec(rb, k) for k in sorted(kb - ka)]
     ga, gb = out.object_graph(ra), out.object_graph(rb)
@@ -142,7 +141,7 @@ def _diff(args) -> int:
     report["dtype_or_shape_differs"], report["values"] = [], []
     for key in sorted(ka & kb):
         a, b = spec(ra, key), spec(rb, key)
-        if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
+        if a != b:  # dtype or shape
             report["dtype_or_shape_differs"].append({"key": key, "a": a, "b": b})
             continue
         d = _max_abs_diff(np.asarray(ra.get(key)), np.asarray(rb.get(key)))
@@ -183,26 +182,17 @@ def _diff(args) -> int:
         for line in lines:
             out.say(line)
         width = max((len(out.safe(r[0])) for r in rows), default=3)
-        for key, d, word in rows:
-            out.say(f"{out.safe(key):<{width}}  max|A-B|={d:<10} {word}")
+        for key, diff, word in rows:
+            out.say(f"{out.safe(key):<{width}}  max|A-B|={diff:<10} {word}")
         out.say(verdict)
     return 1 if differ else 0
 
 
 # --- entry point ----------------------------------------------------------------
-def _version() -> str:
-    from importlib import metadata  # not jax: `--version` stays instant
-
-    try:
-        return metadata.version("varstate")
-    except metadata.PackageNotFoundError:
-        return "unknown (varstate is not installed; running from a source tree)"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=out.PROG, description="Inspect, convert and compare TF and orbax checkpoints, "
                                                         "and inspect exports.")
-    p.add_argument("--version", action="version", version=f"{out.PROG} {_version()}")
+    p.add_argument("--version", action="version", version=f"{out.PROG} {checkpoint.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="the object graph (or name list) with shapes, dtypes and sizes; for an "
                                        "export, also each signature's inputs, outputs and platforms")

@@ -1,4 +1,4 @@
-"""What the `varstate-ckpt` commands share: opening a path, describing its values, printing safely.
+"""What the `varstate-ckpt` commands share: describing a checkpoint's values, printing safely.
 
 Names read from a file are printed with their control characters escaped
 (`safe`), so a crafted key cannot drive the terminal; rich is used only
@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import unicodedata
 from typing import Any
 
 import numpy as np
 
-from checkpoint import _keys, _storage
+from checkpoint import _keys
 
-GRAPH_KEY = _keys.OBJECT_GRAPH_KEY
 PROG = "varstate-ckpt"
 
 
@@ -45,14 +43,12 @@ def safe(text: str) -> str:
     """`text` with every character a terminal would act on written as a Python escape (``\\x1b``)."""
     if text.isprintable():  # the common case: nothing to do
         return text
-    out = []
-    for ch in text:
-        if unicodedata.category(ch) in _UNPRINTABLE:
-            n = ord(ch)
-            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
-        else:
-            out.append(ch)
-    return "".join(out)
+    return "".join(_escape(ch) if unicodedata.category(ch) in _UNPRINTABLE else ch for ch in text)
+
+
+def _escape(ch: str) -> str:
+    n = ord(ch)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def say(line: str = "") -> None:
@@ -66,13 +62,11 @@ def print_json(data: Any) -> None:
 
 def number(x: Any) -> Any:
     """A value for JSON: NaN and the infinities as the strings "nan", "inf", "-inf" (JSON has none)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return x
+    return str(x) if isinstance(x, float) and not math.isfinite(x) else x  # str(): "nan", "inf", "-inf"
 
 
 # --- values -------------------------------------------------------------------
-def human(n: int) -> str:
+def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
@@ -84,6 +78,10 @@ def is_str(dtype: np.dtype) -> bool:
     return np.dtype(dtype).kind in "OSU"
 
 
+def dtype_name(dtype: np.dtype) -> str:
+    return "string" if is_str(dtype) else np.dtype(dtype).name
+
+
 def nbytes(reader, key: str) -> int:
     dtype = np.dtype(reader.dtype(key))
     if is_str(dtype):  # strings: their bytes are only known once read
@@ -92,45 +90,14 @@ def nbytes(reader, key: str) -> int:
 
 
 def describe_value(reader, key: str) -> tuple[str, str, int]:
-    dtype = np.dtype(reader.dtype(key))
-    return "string" if is_str(dtype) else dtype.name, str(tuple(reader.shape(key))), nbytes(reader, key)
+    return dtype_name(reader.dtype(key)), str(tuple(reader.shape(key))), nbytes(reader, key)
 
 
 def key_list(reader) -> list[str]:
-    return sorted(k for k in reader.keys() if k != GRAPH_KEY)
+    return sorted(k for k in reader.keys() if k != _keys.OBJECT_GRAPH_KEY)
 
 
 def object_graph(reader) -> Any:
     """The object graph, or None for a name-based checkpoint (stored in orbax as an empty graph)."""
     graph = reader.object_graph
     return graph if graph is not None and len(graph.nodes) else None
-
-
-def format_name(reader) -> str:
-    own = getattr(reader, "format_name", None)  # a checkpoint orbax wrote: its object graph is synthesized
-    if own is not None:
-        return own
-    kind = "orbax" if os.path.isdir(getattr(reader, "path", "")) else "TF"
-    return f"{kind} {'object' if object_graph(reader) is not None else 'name'}-based checkpoint"
-
-
-def is_export(path: str) -> bool:
-    return os.path.isdir(path) and os.path.lexists(os.path.join(path, "export.pb"))
-
-
-def is_saved_model(path: str) -> bool:
-    from checkpoint._tf import _saved_model  # protos only: no jax
-
-    return os.path.isdir(path) and _saved_model.is_saved_model(path)
-
-
-def open_reader(path: str):
-    """A reader for a checkpoint, or for the variables of an export or a TF SavedModel."""
-    if is_saved_model(path):
-        from checkpoint._tf._saved_model import VARIABLES_PREFIX
-
-        prefix = os.path.join(path, VARIABLES_PREFIX)
-        if not os.path.isfile(prefix + ".index"):
-            raise UsageError(f"{path}: the SavedModel has no variables ({VARIABLES_PREFIX}.index is missing)")
-        return _storage.open_reader(prefix)
-    return _storage.open_reader(os.path.join(path, "variables", "variables") if is_export(path) else path)

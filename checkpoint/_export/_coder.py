@@ -9,6 +9,7 @@ import numpy as np
 
 from checkpoint import _dtypes
 from checkpoint.protos import saved_object_graph_pb2 as pb
+from checkpoint.protos import types_pb2
 
 
 def encode_structure(tree: Any) -> pb.StructuredValue:
@@ -24,7 +25,7 @@ def encode_structure(tree: Any) -> pb.StructuredValue:
         (out.list_value if isinstance(tree, list) else out.tuple_value).values.extend(map(encode_structure, tree))
     elif hasattr(tree, "shape") and hasattr(tree, "dtype"):
         spec = out.tensor_spec_value
-        spec.dtype = _dtypes.ENUM_OF.get(np.dtype(tree.dtype), 0)
+        spec.dtype = _dtypes.ENUM_OF.get(np.dtype(tree.dtype), types_pb2.DT_INVALID)
         for d in tree.shape:
             symbolic = jax.export.is_symbolic_dim(d)
             spec.shape.dim.add(size=-1 if symbolic else int(d), name=str(d) if symbolic else "")
@@ -39,7 +40,8 @@ def structure_json(sv: pb.StructuredValue) -> Any:
     an unknown one as null), tuples and lists as ``{"tuple": [...]}`` / ``{"list": [...]}``, dicts as
     ``{"dict": {...}}``, None as null."""
     out: Any = None
-    stack = [(sv, None, None)]  # (value, parent container, key in it): depth is the file's to choose
+    # (value, parent container, key in it): depth is the file's to choose
+    stack: list[tuple[Any, Any, Any]] = [(sv, None, None)]
     while stack:
         value, parent, key = stack.pop()
         kind = value.WhichOneof("kind")

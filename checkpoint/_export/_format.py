@@ -23,7 +23,6 @@ from checkpoint.protos.versions_pb2 import VersionDef
 # This exporter's format version; a reader accepts min_consumer <= VERSION. Version 2 added export.pb's
 # sha256; a version-1 file (which has none) still loads, so exports still say min_consumer 1.
 VERSION = 2
-EXPORT_FILE = "export.pb"
 # jax.export serializes to a flatbuffer, which cannot exceed 2 GiB; protobuf messages have the same limit.
 # Anything larger is not one of ours, and reading it whole could exhaust memory first.
 MAX_FILE_BYTES = 2**31 - 1
@@ -31,7 +30,8 @@ MAX_FILE_BYTES = 2**31 - 1
 # declare field 15, so any protobuf reader (a version-1 loader too) skips it as an unknown field.
 _DIGEST_TAG = bytes([15 << 3 | 2, 32])
 SIGNATURES = "signatures"
-WRAPPERS = {dict: "trackable_dict_wrapper", list: "trackable_list_wrapper", tuple: "trackable_tuple_wrapper"}
+WRAPPERS: dict[type, str] = {
+    dict: "trackable_dict_wrapper", list: "trackable_list_wrapper", tuple: "trackable_tuple_wrapper"}
 GENERIC = "_generic_user_object"
 SIGNATURE_MAP = "signature_map"
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_]+")

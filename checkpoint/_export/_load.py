@@ -27,8 +27,8 @@ from google.protobuf.message import DecodeError
 
 from checkpoint import _dtypes, _graph, _keys
 from checkpoint._errors import CheckpointFormatError
+from checkpoint._export import _jax_private
 from checkpoint._export._format import (
-    EXPORT_FILE,
     FUNCTION_NAME,
     GENERIC,
     MAX_FILE_BYTES,
@@ -40,7 +40,7 @@ from checkpoint._export._format import (
     Asset,
     seal_problem,
 )
-from checkpoint._storage import BundleReader
+from checkpoint._storage import EXPORT_FILE, SAVED_MODEL_FILE, VARIABLES_PREFIX, BundleReader
 from checkpoint.protos import saved_object_graph_pb2 as pb
 from varstate import Registry, Variable, VariableAggregation, VariableSynchronization, _seam
 
@@ -49,6 +49,8 @@ _log = logging.getLogger("checkpoint")
 
 class RevivedObject:
     """A loaded object of a type not registered here (TF's generic user object): its children as attributes."""
+
+    _identifier: str  # in __dict__ with the children
 
     def __init__(self, identifier: str, children: Mapping[str, Any]) -> None:
         self.__dict__.update(children)
@@ -160,7 +162,7 @@ def read_definition(directory: str) -> pb.ExportDef:
     top = os.path.join(directory, EXPORT_FILE)
     if not os.path.lexists(top):
         hint = (" It is a TensorFlow SavedModel (saved_model.pb), which this does not load."
-                if os.path.isfile(os.path.join(directory, "saved_model.pb")) else "")
+                if os.path.isfile(os.path.join(directory, SAVED_MODEL_FILE)) else "")
         raise FileNotFoundError(f"load: {directory!r} is not an export written by checkpoint.export "
                                 f"(no {EXPORT_FILE}).{hint}")
     data = read_file(top, EXPORT_FILE)
@@ -231,7 +233,7 @@ def read_function(directory: str, definition: pb.ExportDef, name: str, label: st
         exported = jax.export.deserialize(bytearray(data))
     except (ValueError, TypeError, IndexError, struct.error) as e:
         raise CheckpointFormatError(f"{path}: jax.export cannot deserialize it ({e}).") from e
-    stable = _seam.stable_custom_call_targets()
+    stable = _jax_private.stable_custom_call_targets()
     # The file's own disabled_safety_checks are not honoured: the file is what is being checked.
     unknown = sorted({t for t in custom_call_targets(exported, path) if t not in stable})
     if unknown:
@@ -268,7 +270,7 @@ class _Loader:
     def __init__(self, directory: str, definition: pb.ExportDef, registry: Registry) -> None:
         self.dir, self.definition, self.registry = directory, definition, registry
         self.graph = definition.object_graph
-        self.reader = BundleReader(os.path.join(directory, "variables", "variables"))
+        self.reader = BundleReader(os.path.join(directory, VARIABLES_PREFIX))
         self.ckpt_graph = self.reader.object_graph
         self.names = _graph.node_names(self.graph)
         self.memo: dict[int, Any] = {}
@@ -325,7 +327,7 @@ class _Loader:
         except (ValueError, TypeError) as e:
             raise self.fail(i, str(e)) from None
         if held.dtype != value.dtype:  # saved again as it was (TF's int64 global step)
-            _seam.record_saved_dtype(var, value.dtype)
+            var = _seam.record_saved_dtype(var, value.dtype)
         return var
 
     @staticmethod

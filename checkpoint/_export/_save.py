@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,9 +23,9 @@ import numpy as np
 from jax.extend.core import Literal
 
 from checkpoint import _dtypes, _graph, _keys, _storage
+from checkpoint._export import _jax_private
 from checkpoint._export._coder import encode_structure
 from checkpoint._export._format import (
-    EXPORT_FILE,
     GENERIC,
     IDENTIFIER_OF,
     REVIVED,
@@ -37,8 +36,11 @@ from checkpoint._export._format import (
     Asset,
     seal,
 )
+from checkpoint._storage import EXPORT_FILE
+from checkpoint._storage._files import replacing
 from checkpoint._storage._tensors import tf_tensors
 from checkpoint.protos import saved_object_graph_pb2 as pb
+from checkpoint.protos import types_pb2
 from checkpoint.protos.tensor_shape_pb2 import TensorShapeProto
 from checkpoint.protos.versions_pb2 import VersionDef
 from varstate import PartitionedVariable, _seam
@@ -72,7 +74,7 @@ def export(directory: str | os.PathLike, root: Any,
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise FileExistsError(f"export: {directory!r} exists and is not an empty directory; pick a new one.")
-    if _graph.kind(root) != _graph.CONTAINER or isinstance(root, Asset):
+    if _graph.kind(root) != _graph.Kind.CONTAINER or isinstance(root, Asset):
         raise TypeError(f"export: root must be a container pytree (dict, list, dataclass, ...), got "
                         f"{type(root).__name__}; wrap it, e.g. {{'model': root}}.")
     signatures = dict(signatures or {})
@@ -96,20 +98,17 @@ def export(directory: str | os.PathLike, root: Any,
             _describe_value(out, by_key[node.attributes[0].checkpoint_key], graph.paths[i])
         else:
             _describe_container(out, objs[i])
-    tmp = f"{directory}.tmp-{secrets.token_hex(4)}"
-    os.makedirs(tmp)
-    try:
+    # Replaces an empty directory, or none; never leaves a half export there.
+    with replacing(directory) as (tmp,):
+        os.makedirs(tmp)
         definition = pb.ExportDef(version=VersionDef(producer=VERSION, min_consumer=1))
         _add_assets(definition, saved, root, tmp)
-        _storage.write_bundle(os.path.join(tmp, "variables", "variables"),
+        _storage.write_bundle(os.path.join(tmp, _storage.VARIABLES_PREFIX),
                               tf_tensors(_graph.values(graph), graph.proto.SerializeToString()))
         _add_signatures(definition, saved, root, signatures, graph, tmp, platforms)
         definition.object_graph.CopyFrom(saved)
         with open(os.path.join(tmp, EXPORT_FILE), "wb") as f:
             f.write(seal(definition.SerializeToString()))
-        os.rename(tmp, directory)  # replaces an empty directory; never leaves a half export there
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
@@ -122,10 +121,11 @@ def _describe_value(out: pb.SavedObject, s: _graph.Saveable, path: str) -> None:
         out.constant.operation = s.key  # the value's key in the variables bundle
         return
     v = out.variable
-    v.dtype = _dtypes.ENUM_OF.get(_seam.saved_dtype(var), 0)  # as stored in the bundle
+    v.dtype = _dtypes.ENUM_OF.get(_seam.saved_dtype(var), types_pb2.DT_INVALID)  # as stored in the bundle
     v.shape.dim.extend(TensorShapeProto.Dim(size=d) for d in var.shape)
     v.trainable, v.name = var.trainable, var.name
-    v.synchronization, v.aggregation = int(var.synchronization), int(var.aggregation)
+    v.synchronization = int(var.synchronization)  # type: ignore[assignment]  # the proto's enum: TF's, same values
+    v.aggregation = int(var.aggregation)  # type: ignore[assignment]  # the proto's enum: TF's, same values
 
 
 def _describe_container(out: pb.SavedObject, obj: Any, identifier: str | None = None) -> None:
@@ -154,7 +154,7 @@ def _add_assets(definition: pb.ExportDef, saved: pb.SavedObjectGraph, root: Any,
     for path, asset in jax.tree_util.tree_flatten_with_path(root, is_leaf=lambda x: isinstance(x, Asset))[0]:
         if not isinstance(asset, Asset):
             continue
-        names = [_graph.key_name(k) for k in path]
+        names = [_keys.local_name(k) for k in path]
         src = os.path.realpath(asset.asset_path)
         if not os.path.isfile(src):
             raise FileNotFoundError(f"export: asset {'/'.join(names)!r} names {asset.asset_path!r}, not a file.")
@@ -205,7 +205,7 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
         for path, leaf in flat:
             var = _graph.as_variable(leaf)
             leaf_nodes.append(node_of_rid.get(var.resource_id) if var is not None else _node_at(
-                saved, [_graph.key_name(k) for k in path]) if isinstance(leaf, (jax.Array, np.ndarray)) else None)
+                saved, [_keys.local_name(k) for k in path]) if isinstance(leaf, (jax.Array, np.ndarray)) else None)
         arg_specs = jax.tree.map(_spec, tuple(example_args))
         try:
             # A first trace finds the inputs fn reads: only those are bound, as TF captures only what it reads.
@@ -216,7 +216,7 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
             unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
             flat_fn, specs, bound = _inputs(fn, flat, treedef, [None if n in unused else n for n in leaf_nodes],
                                             is_leaf)
-            with _seam.file_names_without_directories():  # the file carries no paths of the machine that made it
+            with _jax_private.file_names_without_directories():  # the file carries no paths of the machine that made it
                 exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
         except Exception as e:
             e.add_note(f"while exporting signature {name!r} with jax.export")

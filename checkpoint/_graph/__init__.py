@@ -6,47 +6,9 @@ stored graph against templates and loads their values through a storage
 reader. Nothing here reads or writes files.
 """
 
-from checkpoint._graph._build import Graph, Saveable, build, node_names, values
+from checkpoint._graph._build import Saveable, build, node_names, values
 from checkpoint._graph._match import RestoreState, restore_roots
-from checkpoint._graph._walk import (
-    ARRAY,
-    CONTAINER,
-    NONE,
-    OPTIMIZER,
-    PARTITIONED,
-    PLAIN_SLOTS,
-    PYTHON,
-    VARIABLE,
-    as_variable,
-    children,
-    key_name,
-    kind,
-    rebuild,
-    rewrap,
-    slot_variables,
-)
+from checkpoint._graph._walk import Kind, as_variable, children, kind, rewrap, slot_variables
 
-__all__ = [
-    "ARRAY",
-    "CONTAINER",
-    "NONE",
-    "OPTIMIZER",
-    "PARTITIONED",
-    "PLAIN_SLOTS",
-    "PYTHON",
-    "VARIABLE",
-    "Graph",
-    "RestoreState",
-    "Saveable",
-    "as_variable",
-    "build",
-    "children",
-    "key_name",
-    "kind",
-    "node_names",
-    "rebuild",
-    "restore_roots",
-    "rewrap",
-    "slot_variables",
-    "values",
-]
+__all__ = ["Kind", "RestoreState", "Saveable", "as_variable", "build", "children", "kind", "node_names",
+           "restore_roots", "rewrap", "slot_variables", "values"]

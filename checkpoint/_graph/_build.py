@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -11,13 +12,8 @@ import numpy as np
 
 from checkpoint import _keys
 from checkpoint._graph._walk import (
-    ARRAY,
-    CONTAINER,
-    NONE,
-    OPTIMIZER,
-    PARTITIONED,
-    PYTHON,
-    VARIABLE,
+    VALUES,
+    Kind,
     as_variable,
     children,
     has_python,
@@ -27,7 +23,9 @@ from checkpoint._graph._walk import (
     kind,
     slot_variables,
     unwrap,
+    variable_of,
 )
+from checkpoint.protos.saved_object_graph_pb2 import SavedObjectGraph
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 from varstate import PartitionedVariable, Variable, _seam
 
@@ -60,42 +58,42 @@ def build(roots: dict[str, Any]) -> Graph:
     paths = [""]
     labels = ["(root)"]  # TF's pretty names, for errors
     objects: list[Any] = [None]
-    kinds = [CONTAINER]
+    kinds = [Kind.CONTAINER]
     node_of: dict[Any, int] = {}
     queue = collections.deque([(0, [(name, unwrap(roots[name])) for name in roots])])
     while queue:
         parent, kids = queue.popleft()
         for name, child in kids:
             k = kind(child)
-            if k == NONE or (k == CONTAINER and not jax.tree.leaves(child) and not has_python(child)):
+            if k == Kind.NONE or (k == Kind.CONTAINER and not jax.tree.leaves(child) and not has_python(child)):
                 continue
             ident = identity(child, k)
             node_id = node_of.get(ident) if ident is not None else None
             if node_id is None:
                 node_id = len(nodes)
                 nodes.append(proto.nodes.add())
-                path = f"{paths[parent]}/{_keys.escape(name)}" if parent else _keys.escape(name)
+                path = _keys.child_path(paths[parent], name)
                 paths.append(path)
                 labels.append(f"{labels[parent]}.{name}")
                 objects.append(child)
                 kinds.append(k)
                 if ident is not None:
                     node_of[ident] = node_id
-                if k in (CONTAINER, OPTIMIZER):
+                if k in (Kind.CONTAINER, Kind.OPTIMIZER):
                     queue.append((node_id, children(child, labels[node_id])))
             ref = nodes[parent].children.add()
             ref.node_id, ref.local_name = node_id, name
     saveables = []
     for node_id in range(1, len(objects)):
         k, obj, path = kinds[node_id], objects[node_id], paths[node_id]
-        if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
-            attr = _keys.PY_STATE if k == PYTHON else _keys.VARIABLE_VALUE
+        if k in VALUES:
+            attr = _keys.PY_STATE if k == Kind.PYTHON else _keys.VARIABLE_VALUE
             key = _keys.attribute_key(path, attr)
-            full_name = as_variable(obj).name if k == VARIABLE else obj.name if k == PARTITIONED else path
+            full_name = variable_of(obj).name if k == Kind.VARIABLE else obj.name if k == Kind.PARTITIONED else path
             _add_attribute(nodes[node_id], attr, full_name, key)
             saveables.append(Saveable(key, obj, full_name, attr))
-            value = as_variable(obj).value if k == VARIABLE else obj
-            if k in (VARIABLE, ARRAY) and is_prng_key(value):
+            value = variable_of(obj).value if k == Kind.VARIABLE else obj
+            if k in (Kind.VARIABLE, Kind.ARRAY) and is_prng_key(value):
                 impl_key = _keys.attribute_key(path, PRNG_KEY_IMPL)
                 _add_attribute(nodes[node_id], PRNG_KEY_IMPL, full_name, impl_key)
                 saveables.append(Saveable(impl_key, key_impl(value), full_name, PRNG_KEY_IMPL))
@@ -104,20 +102,21 @@ def build(roots: dict[str, Any]) -> Graph:
     # whose primary is not saved is skipped).
     primary_node = {}
     for node_id, (k, obj) in enumerate(zip(kinds, objects, strict=True)):
-        if k == VARIABLE:
-            primary_node[as_variable(obj).resource_id] = node_id
-        elif k == PARTITIONED:
+        if k == Kind.VARIABLE:
+            primary_node[variable_of(obj).resource_id] = node_id
+        elif k == Kind.PARTITIONED:
             for shard in obj:
                 primary_node[shard.resource_id] = node_id
-    for opt_id in [i for i, k in enumerate(kinds) if k == OPTIMIZER]:
+    for opt_id in [i for i, k in enumerate(kinds) if k == Kind.OPTIMIZER]:
         grouped: dict[tuple[int, str], list[Variable]] = {}
         for slot in slot_variables(objects[opt_id]):
-            primary_id, slot_name = _seam.slot_link(slot)
-            primary = primary_node.get(primary_id)
-            if primary is not None:
+            link = _seam.slot_link(slot)  # never None: slot_variables yields slots
+            primary = primary_node.get(link[0]) if link is not None else None
+            if link is not None and primary is not None:
+                slot_name = link[1]
                 grouped.setdefault((primary, slot_name), []).append(slot)
         for (primary, slot_name), shards in sorted(grouped.items()):
-            if kinds[primary] == PARTITIONED and len(shards) != len(objects[primary]):
+            if kinds[primary] == Kind.PARTITIONED and len(shards) != len(objects[primary]):
                 raise ValueError(
                     f"Cannot checkpoint the {slot_name!r} slots of {labels[primary]}: the optimizer {labels[opt_id]} "
                     f"has them for {len(shards)} of its {len(objects[primary])} shards. One value holds the slot of "
@@ -129,12 +128,13 @@ def build(roots: dict[str, Any]) -> Graph:
                 nodes.append(proto.nodes.add())
                 paths.append(_keys.slot_path(paths[primary], paths[opt_id], slot_name))
                 key = _keys.variable_key(paths[-1])
-                obj = shards[0] if kinds[primary] == VARIABLE else shards
+                obj = shards[0] if kinds[primary] == Kind.VARIABLE else shards
                 full_name = shards[0].name if len(shards) == 1 else shards[0].save_slice_info.full_name
                 _add_attribute(nodes[existing], _keys.VARIABLE_VALUE, full_name, key)
                 saveables.append(Saveable(key, obj, full_name))
-            ref = nodes[opt_id].slot_variables.add()
-            ref.original_variable_node_id, ref.slot_name, ref.slot_variable_node_id = primary, slot_name, existing
+            slot_ref = nodes[opt_id].slot_variables.add()
+            slot_ref.original_variable_node_id, slot_ref.slot_name, slot_ref.slot_variable_node_id = (
+                primary, slot_name, existing)
     _mark_values(proto)
     return Graph(proto, saveables, paths)
 
@@ -158,22 +158,27 @@ def _add_attribute(node, name: str, full_name: str, key: str) -> None:
     attr.name, attr.full_name, attr.checkpoint_key = name, full_name, key
 
 
-def node_names(proto: TrackableObjectGraph) -> list[str]:
-    """Readable names of a saved graph's nodes, TF style: ``(root).model.kernel``."""
-    names: list[str | None] = [None] * len(proto.nodes)
+def node_names(proto: TrackableObjectGraph | SavedObjectGraph) -> list[str]:
+    """Readable names of a saved graph's nodes, TF style: ``(root).model.kernel``.
+
+    A checkpoint's graph and an export's carry nodes of two proto types with the same ``children`` and
+    ``slot_variables`` fields, so one walk names both.
+    """
+    nodes: Sequence[Any] = proto.nodes  # the two node types share the fields read here
+    names: list[str | None] = [None] * len(nodes)
     names[0] = "(root)"
     queue = collections.deque([0])
     while queue:
         i = queue.popleft()
-        for ref in proto.nodes[i].children:
+        for ref in nodes[i].children:
             if 0 <= ref.node_id < len(names) and names[ref.node_id] is None:
                 names[ref.node_id] = f"{names[i]}.{ref.local_name}"
                 queue.append(ref.node_id)
-    for i, node in enumerate(proto.nodes):  # after the walk: a primary may sit deeper than its optimizer
-        for ref in node.slot_variables:
-            j, p = ref.slot_variable_node_id, ref.original_variable_node_id
+    for i, node in enumerate(nodes):  # after the walk: a primary may sit deeper than its optimizer
+        for slot_ref in node.slot_variables:
+            j, p = slot_ref.slot_variable_node_id, slot_ref.original_variable_node_id
             if 0 <= j < len(names) and names[j] is None and 0 <= p < len(names):
-                names[j] = f"{names[p] or f'(node {p})'}'s state {ref.slot_name!r} for {names[i]}"
+                names[j] = f"{names[p] or f'(node {p})'}'s state {slot_ref.slot_name!r} for {names[i]}"
     return [n if n is not None else f"(node {i})" for i, n in enumerate(names)]
 
 

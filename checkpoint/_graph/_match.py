@@ -14,12 +14,13 @@ import logging
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from checkpoint import _dtypes, _keys
 from checkpoint._graph import _walk
 from checkpoint._graph._build import PRNG_KEY_IMPL, node_names
-from checkpoint._graph._walk import ARRAY, CONTAINER, NONE, OPTIMIZER, PARTITIONED, PYTHON, VARIABLE
+from checkpoint._graph._walk import VALUES, Kind
 from varstate import PartitionedVariable, Variable, _seam
 
 _log = logging.getLogger("checkpoint")
@@ -32,7 +33,7 @@ class _Cell:
     template: Any
     key: str
     label: str
-    kind: int
+    kind: Kind
     info: Any = None  # a SaveSliceInfo: take this slice of the stored full value
     prng: bool = False  # a PRNG key array: the value is its key data
     impl_key: str | None = None  # where the name of the key's implementation is stored, if it is
@@ -50,6 +51,15 @@ class _OptCell:
     slots: Any = None
 
 
+@dataclasses.dataclass
+class _Found:
+    """What one `restore_roots` call collects while it walks the templates, before anything is loaded."""
+
+    cells: list[_Cell] = dataclasses.field(default_factory=list)  # the values to load
+    opts: list[_OptCell] = dataclasses.field(default_factory=list)  # optimizer states, their slots matched last
+    rids: set[int] = dataclasses.field(default_factory=set)  # resource ids of every template Variable
+
+
 @dataclasses.dataclass(eq=False)
 class _Merge:
     """An nnx Module being restored: its graphdef and its state (holding cells), merged once values are loaded."""
@@ -58,47 +68,43 @@ class _Merge:
     state: Any
 
 
+@dataclasses.dataclass(eq=False)
 class RestoreState:
-    """What every status of one restore shares (TF's _CheckpointRestoreCoordinator)."""
+    """What every status of one restore shares (TF's _CheckpointRestoreCoordinator): the checkpoint, and one
+    account of what its restores matched and what is left, which deferred restorations add to."""
 
-    def __init__(self, reader: Any) -> None:
-        self.reader = reader
-        self.proto = reader.object_graph
+    reader: Any
+    matched: dict[int, str] = dataclasses.field(default_factory=lambda: {0: "(root)"})  # node -> who took it
+    unmatched: dict[str, None] = dataclasses.field(default_factory=dict)  # template objects with no saved value
+    pending_slots: dict[tuple[int, int, str], str] = dataclasses.field(default_factory=dict)  # awaiting a primary
+    node_rids: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # node -> its Variables' resources
+    expect_partial: bool = False
+
+    def __post_init__(self) -> None:
+        self.proto = self.reader.object_graph
         self.names = node_names(self.proto)
-        self.matched: dict[int, str] = {0: "(root)"}
-        self.restored_keys: set[str] = set()
-        self.unmatched: dict[str, None] = {}  # labels of template objects with no saved value
-        self.node_rids: dict[int, list[int]] = {}
-        self.pending_slots: dict[tuple[int, int, str], str] = {}
-        self.python_objects = 0
-        self.expect_partial = False
+
+    def unresolved(self) -> list[int]:
+        """The nodes holding a value that no restore has taken."""
+        return [i for i, n in enumerate(self.proto.nodes) if n.attributes and i not in self.matched]
 
     def __del__(self) -> None:
         try:
-            if not self.expect_partial and self._unresolved():
-                _log.warning(
-                    "Some values in the checkpoint were not restored: %s. Call expect_partial() on the "
-                    "status if this is intended.", ", ".join(self._unresolved()[:10]))
+            if not self.expect_partial and self.unresolved():
+                _log.warning("Some values in the checkpoint were not restored: %s. Call expect_partial() on the "
+                             "status if this is intended.", ", ".join(self.names[i] for i in self.unresolved()[:10]))
         except Exception:  # never raise from a finalizer
             pass
-
-    def _unresolved(self) -> list[str]:
-        return [self.names[i] for i, n in enumerate(self.proto.nodes) if n.attributes and i not in self.matched]
 
 
 def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
     """Matches `roots` against the checkpoint's graph and loads their values; returns the restored roots."""
     top = {r.local_name: r.node_id for r in st.proto.nodes[0].children}
-    cells: list[_Cell] = []
-    opts: list[_OptCell] = []
-    template_rids: set[int] = set()
-    tree = {
-        name: _match(st, _walk.unwrap(obj), top.get(name), f"(root).{name}", cells, opts, template_rids)
-        for name, obj in roots.items()
-    }
-    for opt in opts:
-        _match_slots(st, opt, cells, template_rids)
-    loaded = _load(st, cells)
+    found = _Found()
+    tree = {name: _match(st, _walk.unwrap(obj), top.get(name), f"(root).{name}", found) for name, obj in roots.items()}
+    for opt in found.opts:
+        _match_slots(st, opt, found)
+    loaded = _load(st, found.cells)
 
     def resolve(x):
         if isinstance(x, _OptCell):
@@ -118,42 +124,42 @@ def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _match(st: RestoreState, obj, node_id, label, cells, opts, rids) -> Any:
+def _match(st: RestoreState, obj, node_id, label, found: _Found) -> Any:
     k = _walk.kind(obj)
-    if k in (VARIABLE, PARTITIONED):
-        rids.update(v.resource_id for v in _shards(obj))
-    if k == NONE:
+    if k in (Kind.VARIABLE, Kind.PARTITIONED):
+        found.rids.update(v.resource_id for v in _shards(obj))
+    if k == Kind.NONE:
         return obj
     if node_id is None or not 0 <= node_id < len(st.proto.nodes):
         _unmatched(st, obj, k, label)
         return obj
     node = st.proto.nodes[node_id]
-    if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
+    if k in VALUES:
         if not node.attributes:
             _unmatched(st, obj, k, label)
             return obj
         st.matched[node_id] = label
-        if k in (VARIABLE, PARTITIONED):
+        if k in (Kind.VARIABLE, Kind.PARTITIONED):
             st.node_rids[node_id] = [v.resource_id for v in _shards(obj)]
         cell = _Cell(obj, node.attributes[0].checkpoint_key, label, k)
-        if k in (VARIABLE, ARRAY) and _walk.is_prng_key(_value(cell)):
+        if k in (Kind.VARIABLE, Kind.ARRAY) and _walk.is_prng_key(_value(cell)):
             # Without a stored implementation (key data saved by orbax or flax), the template's: the shape
             # of the key data, checked before loading, is that implementation's.
             cell.prng = True
             cell.impl_key = next((a.checkpoint_key for a in node.attributes if a.name == PRNG_KEY_IMPL), None)
-        cells.append(cell)
+        found.cells.append(cell)
         return cell
     if not node.attributes:  # a saved value is not consumed by a container standing in its place
         st.matched[node_id] = label
     ids = {r.local_name: r.node_id for r in node.children}
 
     def child(name, c):
-        return _match(st, c, ids.get(name), f"{label}.{name}", cells, opts, rids)
+        return _match(st, c, ids.get(name), f"{label}.{name}", found)
 
-    if k == OPTIMIZER:
+    if k == Kind.OPTIMIZER:
         non_slots = {name: child(name, v) for name, v in obj.non_slots.items()}
         opt = _OptCell(obj, non_slots, child(_walk.PLAIN_SLOTS, _walk.plain_slots(obj)), node_id, label)
-        opts.append(opt)
+        found.opts.append(opt)
         return opt
     parts = _walk.nnx_split(obj)
     if parts is not None:
@@ -161,41 +167,43 @@ def _match(st: RestoreState, obj, node_id, label, cells, opts, rids) -> Any:
     return _walk.rebuild(obj, child, label)
 
 def _unmatched(st: RestoreState, obj, k, label) -> None:
-    if k in (VARIABLE, PARTITIONED, ARRAY, PYTHON):
+    if k in VALUES:
         st.unmatched[label] = None
-    elif k in (CONTAINER, OPTIMIZER):
+    elif k in (Kind.CONTAINER, Kind.OPTIMIZER):
         for name, c in _walk.children(obj, label):
             _unmatched(st, c, _walk.kind(c), f"{label}.{name}")
-        if k == OPTIMIZER:
+        if k == Kind.OPTIMIZER:
             for slot in _walk.slot_variables(obj):
                 st.unmatched[f"{label}'s slot {slot.name!r}"] = None
 
-def _match_slots(st: RestoreState, opt: _OptCell, cells, template_rids) -> None:
+def _match_slots(st: RestoreState, opt: _OptCell, found: _Found) -> None:
     """A slot is matched through its primary's node and slot name (not the optimizer's layout)."""
     templates: dict[tuple[int, str], Variable] = {}
     for slot in _walk.slot_variables(opt.template):
-        templates[(slot.handle.slot_of, slot.handle.slot_name)] = slot
+        link = _seam.slot_link(slot)
+        if link is not None:  # always: slot_variables yields slots
+            templates[link] = slot
     rid_node = {rid: n for n, rs in st.node_rids.items() for rid in rs}
     by_rid: dict[int, _Cell] = {}
     for ref in st.proto.nodes[opt.node_id].slot_variables:
         pending = (opt.node_id, ref.original_variable_node_id, ref.slot_name)
         rids = st.node_rids.get(ref.original_variable_node_id)
-        found = [templates[(r, ref.slot_name)] for r in rids or () if (r, ref.slot_name) in templates]
+        slots = [templates[(r, ref.slot_name)] for r in rids or () if (r, ref.slot_name) in templates]
         slot_node = ref.slot_variable_node_id
-        if not found or not 0 <= slot_node < len(st.proto.nodes) or not st.proto.nodes[slot_node].attributes:
+        if not slots or not 0 <= slot_node < len(st.proto.nodes) or not st.proto.nodes[slot_node].attributes:
             st.pending_slots[pending] = f"{st.names[slot_node] if 0 <= slot_node < len(st.names) else slot_node}"
             continue
         st.pending_slots.pop(pending, None)
         key = st.proto.nodes[slot_node].attributes[0].checkpoint_key
         label = f"{opt.label}'s slot {ref.slot_name!r} for {st.matched[ref.original_variable_node_id]}"
         st.matched[slot_node] = label
-        for slot in found:
-            info = slot.save_slice_info if len(rids) > 1 else None
-            cell = _Cell(slot, key, label, VARIABLE, info)
-            cells.append(cell)
+        for slot in slots:
+            info = slot.save_slice_info if len(rids or ()) > 1 else None
+            cell = _Cell(slot, key, label, Kind.VARIABLE, info)
+            found.cells.append(cell)
             by_rid[slot.resource_id] = cell
     for (primary, _), slot in templates.items():
-        if slot.resource_id not in by_rid and (primary in rid_node or primary in template_rids):
+        if slot.resource_id not in by_rid and (primary in rid_node or primary in found.rids):
             st.unmatched[f"{opt.label}'s slot {slot.name!r}"] = None
     opt.slots = _walk.merge_slots(opt.template.slots, lambda v: by_rid.get(v.resource_id, v), opt.plain)
 
@@ -210,26 +218,15 @@ def _load(st: RestoreState, cells: list[_Cell]) -> dict[str, Any]:
             _check(reader, cell)  # key data: loaded on the host, wrapped into a key, then placed
         elif _check(reader, cell):
             pass  # narrowed to JAX's 32-bit type on the host, where its range is checked
-        elif cell.kind == VARIABLE and cell.info is None:
-            target = _target_sharding(_walk.as_variable(cell.template).value)
-        elif cell.kind == ARRAY and not isinstance(cell.template, (np.ndarray, np.generic)):
+        elif cell.kind == Kind.VARIABLE and cell.info is None:
+            target = _target_sharding(_walk.variable_of(cell.template).value)
+        elif cell.kind == Kind.ARRAY and not isinstance(cell.template, (np.ndarray, np.generic)):
             target = _target_sharding(cell.template)
         if cell.key not in requests:
             requests[cell.key] = target
         elif requests[cell.key] != target:
             requests[cell.key] = None  # wanted on two placements: load on the host once
-    if hasattr(reader, "get_many"):
-        loaded = reader.get_many(requests)
-    else:
-        loaded = {}
-        for key, sharding in requests.items():
-            if sharding is not None and hasattr(reader, "get_into"):
-                loaded[key] = reader.get_into(key, sharding)
-            else:
-                loaded[key] = reader.get(key)
-    st.restored_keys.update(requests)
-    return loaded
-
+    return reader.get_many(requests)
 
 
 def _is_cell(x: Any) -> bool:
@@ -237,7 +234,7 @@ def _is_cell(x: Any) -> bool:
 
 
 def _shards(obj: Any) -> list[Variable]:
-    return list(obj) if isinstance(obj, PartitionedVariable) else [_walk.as_variable(obj)]
+    return list(obj) if isinstance(obj, PartitionedVariable) else [_walk.variable_of(obj)]
 
 
 def _target_sharding(value: Any) -> Any:
@@ -247,19 +244,19 @@ def _target_sharding(value: Any) -> Any:
 
 def _value(cell: _Cell) -> Any:
     """The template's value: a Variable's value, or the array itself."""
-    return _walk.as_variable(cell.template).value if cell.kind == VARIABLE else cell.template
+    return _walk.variable_of(cell.template).value if cell.kind == Kind.VARIABLE else cell.template
 
 
 def _expected(cell: _Cell) -> tuple[tuple[int, ...], np.dtype] | None:
     t = cell.template
-    if cell.kind == PYTHON:
+    if cell.kind == Kind.PYTHON:
         return None
     if cell.prng:
         spec = _walk.key_data_spec(_value(cell))
         return tuple(spec.shape), np.dtype(spec.dtype)
-    if cell.kind == PARTITIONED:
+    if cell.kind == Kind.PARTITIONED:
         return tuple(t.shape), np.dtype(t.dtype)
-    v = _walk.as_variable(t) if cell.kind == VARIABLE else t
+    v = _walk.variable_of(t) if cell.kind == Kind.VARIABLE else t
     if cell.info is not None:
         return tuple(cell.info.full_shape), np.dtype(v.dtype)
     return tuple(v.shape), np.dtype(v.dtype)
@@ -299,7 +296,7 @@ def _finish(cell: _Cell, value: Any, impl: Any = None) -> Any:
         return _finish_key(cell, value, impl)
     want = _expected(cell)
     stored = np.dtype(value.dtype) if hasattr(value, "dtype") else None
-    if cell.kind == ARRAY and want is not None and stored != want[1]:
+    if cell.kind == Kind.ARRAY and want is not None and stored != want[1]:
         # A 64-bit value for a template of its 32-bit form (allowed by _check). A jax.Array cannot hold it while
         # JAX's 64-bit types are off, and a plain array has no handle to remember the stored dtype on: it comes
         # back as numpy, in its stored dtype, so that it saves back as stored (TF refuses an int32 into its int64
@@ -308,7 +305,7 @@ def _finish(cell: _Cell, value: Any, impl: Any = None) -> Any:
         return host.reshape(())[()] if isinstance(t, np.generic) else host
     if want is not None and stored != want[1]:  # allowed by _check: JAX's 32-bit type
         value = _dtypes.narrow(np.asarray(value), want[1], cell.label, cell.key)
-    if cell.kind == PYTHON:
+    if cell.kind == Kind.PYTHON:
         value = np.asarray(value)
         item = value.item() if value.shape == () else value
         if isinstance(item, bytes):
@@ -322,26 +319,26 @@ def _finish(cell: _Cell, value: Any, impl: Any = None) -> Any:
                 f"{type(t).__name__}. Give a template of the saved type, or leave it out of the restore."
             )
         return type(t)(item)
-    if cell.kind == ARRAY:
+    if cell.kind == Kind.ARRAY:
         if isinstance(t, (np.ndarray, np.generic)):
             host = np.asarray(jax.device_get(value))
             return host.reshape(()).astype(t.dtype)[()] if isinstance(t, np.generic) else host.copy()
         return _place(value, t)
-    if cell.kind == PARTITIONED:
+    if cell.kind == Kind.PARTITIONED:
         full = np.asarray(jax.device_get(value))
         return _walk.rebuild(t, lambda _, shard: _slice_into(shard, full, stored))
-    var = _walk.as_variable(t)
+    var = _walk.variable_of(t)
     if cell.info is not None:
         return _slice_into(var, np.asarray(jax.device_get(value)), stored)
     # The handle remembers the stored dtype (an int64 held as int32), so the variable saves back as stored.
-    _seam.record_saved_dtype(var, stored)
+    var = _seam.record_saved_dtype(var, stored)
     return _walk.rewrap(t, _seam.with_value(var, _place(value, var.value)))
 
 
-def _slice_into(shard: Variable, full: np.ndarray, stored: np.dtype) -> Variable:
+def _slice_into(shard: Variable, full: np.ndarray, stored: np.dtype | None) -> Variable:
     info = shard.save_slice_info
     index = _keys.slice_index(info.var_offset, info.var_shape)
-    _seam.record_saved_dtype(shard, stored)
+    shard = _seam.record_saved_dtype(shard, stored)
     return _seam.with_value(shard, _place(np.ascontiguousarray(full[index]), shard.value))
 
 
@@ -360,9 +357,9 @@ def _finish_key(cell: _Cell, data: Any, impl: Any) -> Any:
             f"({cell.impl_key!r}), the object's is {want!r}. Make the template's key with "
             f"jax.random.key(..., impl={name!r})."
         )
-    key = jax.random.wrap_key_data(np.asarray(jax.device_get(data)), impl=name)
+    key = jax.random.wrap_key_data(jnp.asarray(jax.device_get(data)), impl=name)
     key = _place(key, _value(cell))
-    if cell.kind == ARRAY:
+    if cell.kind == Kind.ARRAY:
         return key
-    var = _walk.as_variable(cell.template)
+    var = _walk.variable_of(cell.template)
     return _walk.rewrap(cell.template, _seam.with_value(var, key))

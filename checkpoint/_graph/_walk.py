@@ -13,19 +13,35 @@ attributes. A PRNG key array is saved as its key data (`key_data_spec`).
 
 from __future__ import annotations
 
+import enum
 import sys
 from typing import Any
 
 import jax
 import numpy as np
 
+from checkpoint import _keys
 from checkpoint._dtypes import PYTHON_TYPES
 from varstate import PartitionedVariable, Variable
 from varstate.optimizers import OptimizerState
 
 PLAIN_SLOTS = "slots"  # the optimizer's child holding the slots of plain-array params
 
-CONTAINER, VARIABLE, PARTITIONED, ARRAY, PYTHON, OPTIMIZER, NONE = range(7)
+
+
+class Kind(enum.IntEnum):
+    """What a node of the walk is, which decides how it is saved and matched."""
+
+    CONTAINER = 0  # a pytree whose children are nodes
+    VARIABLE = 1
+    PARTITIONED = 2
+    ARRAY = 3  # a plain array: a value without a resource
+    PYTHON = 4  # a bool, int, float or str
+    OPTIMIZER = 5  # an OptimizerState: non-slots as children, slots hung off their primaries
+    NONE = 6  # None: no node
+
+
+VALUES = (Kind.VARIABLE, Kind.PARTITIONED, Kind.ARRAY, Kind.PYTHON)  # the kinds that are one stored value
 _ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 _PYTHON = tuple(PYTHON_TYPES.values())
 
@@ -36,6 +52,14 @@ def as_variable(obj: Any) -> Variable | None:
         return obj
     get = getattr(type(obj), "__varstate_variable__", None)
     return get(obj) if get is not None else None
+
+
+def variable_of(obj: Any) -> Variable:
+    """The Variable behind a node already walked as a variable (`as_variable` that cannot be None)."""
+    var = as_variable(obj)
+    if var is None:
+        raise TypeError(f"{type(obj).__name__} was walked as a variable but is not one (no __varstate_variable__).")
+    return var
 
 
 def _nnx() -> Any:
@@ -55,7 +79,12 @@ def key_impl(value: Any) -> str:
     """The name of a PRNG key array's implementation (``threefry2x32``), as `jax.random.wrap_key_data` takes it."""
     if isinstance(value, jax.ShapeDtypeStruct):
         found: list[str] = []  # an abstract key: its dtype knows, asked while tracing
-        jax.eval_shape(lambda k: found.append(str(jax.random.key_impl(k))) or 0, value)
+
+        def record(k: Any) -> int:
+            found.append(str(jax.random.key_impl(k)))
+            return 0
+
+        jax.eval_shape(record, value)
         return found[0]
     return str(jax.random.key_impl(value))
 
@@ -91,32 +120,20 @@ def _as_state(obj: Any) -> Any:
     return obj
 
 
-def kind(obj: Any) -> int:
+def kind(obj: Any) -> Kind:
     if obj is None:
-        return NONE
+        return Kind.NONE
     if isinstance(obj, OptimizerState):
-        return OPTIMIZER
+        return Kind.OPTIMIZER
     if as_variable(obj) is not None:
-        return VARIABLE
+        return Kind.VARIABLE
     if isinstance(obj, PartitionedVariable):
-        return PARTITIONED
+        return Kind.PARTITIONED
     if isinstance(obj, _ARRAYS):
-        return ARRAY
+        return Kind.ARRAY
     if isinstance(obj, _PYTHON):
-        return PYTHON
-    return CONTAINER
-
-
-def key_name(k: Any) -> str:
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)
+        return Kind.PYTHON
+    return Kind.CONTAINER
 
 
 def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
@@ -129,7 +146,7 @@ def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
             kids.append((PLAIN_SLOTS, plain))
         return kids
     pairs, _ = _flatten_one(_as_state(obj), where)
-    return [(key_name(path[0]), unwrap(child)) for path, child in pairs]
+    return [(_keys.local_name(path[0]), unwrap(child)) for path, child in pairs]
 
 
 def _flatten_one(obj: Any, where: str) -> tuple[list, Any]:
@@ -183,8 +200,8 @@ def rebuild(obj: Any, fn, where: str = "an object") -> Any:
 
     def one(path, child):
         if nnx is not None and isinstance(child, nnx.Variable):  # keeps its type and metadata, new value
-            return child.replace(fn(key_name(path[0]), child.get_value()))
-        return fn(key_name(path[0]), child)
+            return child.replace(fn(_keys.local_name(path[0]), child.get_value()))
+        return fn(_keys.local_name(path[0]), child)
 
     return treedef.unflatten([one(path, child) for path, child in pairs])
 
@@ -213,17 +230,17 @@ def slot_variables(state: OptimizerState) -> list[Variable]:
     return out
 
 
-def identity(obj: Any, k: int) -> Any:
+def identity(obj: Any, k: Kind) -> Any:
     """What makes two occurrences the same node (TF stores a variable once)."""
-    if k == VARIABLE:
-        return ("v", as_variable(obj).resource_id)
-    if k == PARTITIONED:
+    if k == Kind.VARIABLE:
+        return ("v", variable_of(obj).resource_id)
+    if k == Kind.PARTITIONED:
         return ("p", tuple(v.resource_id for v in obj))
-    if k in (CONTAINER, OPTIMIZER):
+    if k in (Kind.CONTAINER, Kind.OPTIMIZER):
         return ("o", id(obj))
     return None  # arrays and Python values have no identity to share
 
 
 def has_python(obj: Any) -> bool:
     """True if `obj` holds a Python scalar somewhere (so an otherwise empty container is still saved)."""
-    return any(kind(c) == PYTHON or (kind(c) == CONTAINER and has_python(c)) for _, c in children(obj))
+    return any(kind(c) == Kind.PYTHON or (kind(c) == Kind.CONTAINER and has_python(c)) for _, c in children(obj))

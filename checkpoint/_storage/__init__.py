@@ -3,10 +3,11 @@
 Every format is read through one `Reader` protocol, and `open_reader` is the
 one dispatch from a path to a reader: a TF TensorBundle prefix (object-based
 or name-based), an orbax-format directory (this library's), a directory whose
-``checkpoint`` state file names one of those, or a checkpoint orbax itself
-wrote (a PyTree directory, a CheckpointManager step or, for the manager's
-directory, its latest step; `_orbax_native`). Reading a TF checkpoint imports
-neither jax nor orbax; the orbax backends are imported on first use.
+``checkpoint`` state file names one of those, the variables of a TF
+SavedModel or of an export, or a checkpoint orbax itself wrote (a PyTree
+directory, a CheckpointManager step or, for the manager's directory, its
+latest step; `_orbax_native`). Reading a TF checkpoint imports neither jax
+nor orbax; the orbax backends are imported on first use.
 """
 
 from __future__ import annotations
@@ -27,35 +28,33 @@ from checkpoint._storage._state_file import (
     write_checkpoint_state,
 )
 
-__all__ = [
-    "ORBAX_METADATA",
-    "STATE_FILE",
-    "BundleReader",
-    "Reader",
-    "Sliced",
-    "data_filename",
-    "inside",
-    "is_orbax",
-    "latest_in",
-    "open_reader",
-    "read_checkpoint_state",
-    "record_latest",
-    "write_bundle",
-    "write_checkpoint_state",
-]
+__all__ = ["EXPORT_FILE", "ORBAX_METADATA", "SAVED_MODEL_FILE", "STATE_FILE", "VARIABLES_PREFIX", "BundleReader",
+           "Reader", "Sliced", "data_filename", "inside", "is_orbax", "latest_in", "open_reader",
+           "read_checkpoint_state", "record_latest", "write_bundle", "write_checkpoint_state"]
+
+SAVED_MODEL_FILE = "saved_model.pb"
+EXPORT_FILE = "export.pb"
+VARIABLES_PREFIX = os.path.join("variables", "variables")  # a SavedModel's or an export's TF checkpoint
 
 
 class Reader(Protocol):
-    """What restore, the CLI and `read_checkpoint` need of any stored checkpoint."""
-
-    def keys(self) -> list[str]: ...
-    def get(self, key: str) -> np.ndarray: ...
-    def shape(self, key: str) -> tuple[int, ...]: ...
-    def dtype(self, key: str) -> np.dtype: ...
-    def __contains__(self, key: str) -> bool: ...
+    """What restore, the CLI and `read_checkpoint` need of any stored checkpoint; every reader has all of it."""
 
     @property
+    def path(self) -> str: ...  # the checkpoint read: a TF prefix or a directory
+    @property
+    def format_name(self) -> str: ...  # what kind of checkpoint it is, for people
+    @property
     def object_graph(self) -> Any: ...  # a TrackableObjectGraph, or None for a name-based checkpoint
+    def keys(self) -> list[str]: ...
+    def __contains__(self, key: str) -> bool: ...
+    def shape(self, key: str) -> tuple[int, ...]: ...
+    def dtype(self, key: str) -> np.dtype: ...
+    def get(self, key: str) -> np.ndarray: ...
+    def get_slices(self, key: str) -> list[tuple[slice, ...]]: ...  # where each saved slice sits; [] if whole
+    def get_into(self, key: str, sharding: Any) -> Any: ...  # a jax.Array on `sharding`
+    # {key: sharding or None} -> {key: value}, on that sharding where the reader places it, else on the host
+    def get_many(self, requests: dict[str, Any]) -> dict[str, Any]: ...
 
 
 def is_orbax(path: str) -> bool:
@@ -94,6 +93,13 @@ def _resolve(path: str, follow_state: bool = True) -> str:
     if os.path.isdir(path):
         if is_orbax(path) or _ours_damaged(path):
             return path
+        for marker, what in ((SAVED_MODEL_FILE, "SavedModel"), (EXPORT_FILE, "export")):
+            if os.path.lexists(os.path.join(path, marker)):  # read for its variables
+                prefix = os.path.join(path, VARIABLES_PREFIX)
+                if not os.path.isfile(prefix + ".index"):
+                    raise FileNotFoundError(f"{path}: the {what} has no variables ({VARIABLES_PREFIX}.index is "
+                                            "missing)")
+                return prefix
         if follow_state and _present(os.path.join(path, STATE_FILE)):
             return _resolve(_latest(path), follow_state=False)
         from checkpoint._storage import _orbax_native as native  # imports nothing heavy until a reader is made

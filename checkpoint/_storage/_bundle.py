@@ -14,6 +14,7 @@ import re
 import struct
 import weakref
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -145,6 +146,14 @@ class BundleReader:
     def __repr__(self) -> str:
         return f"BundleReader({self.prefix!r}, {len(self.keys())} tensors)"
 
+    @property
+    def path(self) -> str:
+        return self.prefix
+
+    @property
+    def format_name(self) -> str:
+        return f"TF {'object' if self.object_graph is not None else 'name'}-based checkpoint"
+
     def __contains__(self, key: str) -> bool:
         return key in self._entries and key != GRAPH_KEY
 
@@ -262,16 +271,16 @@ class BundleReader:
             )
         out = np.empty(shape, dtype)  # only now: the slices' stored bytes account for every element
         if dtype.kind == "O" or len(parts) < 2:
-            for index, sentry, part_shape, where in parts:
-                out[index] = self._read(key, sentry, where, part_shape, dtype)
+            for index, sentry, part_shape, located in parts:
+                out[index] = self._read(key, sentry, located, part_shape, dtype)
             return out
         for shard in {p[1].shard_id for p in parts}:
             group = [p for p in parts if p[1].shard_id == shard]
             start = min(p[1].offset for p in group)
             span = max(p[1].offset + p[1].size for p in group) - start
             if span > 2 * sum(p[1].size for p in group) + (1 << 20):  # scattered: one read each
-                for index, sentry, part_shape, where in group:
-                    out[index] = self._read(key, sentry, where, part_shape, dtype)
+                for index, sentry, part_shape, located in group:
+                    out[index] = self._read(key, sentry, located, part_shape, dtype)
                 continue
             # Side by side in the file (as every writer puts them): one read for all, then each checked.
             fd, where = group[0][3]
@@ -363,6 +372,16 @@ class BundleReader:
             out[i] = raw[pos : pos + n]
             pos += n
         return out.reshape(shape)
+
+    def get_into(self, key: str, sharding: Any) -> Any:
+        import jax  # only here: reading a TF checkpoint imports no jax until a value is placed
+
+        return jax.device_put(self.get(key), sharding)
+
+    def get_many(self, requests: dict[str, Any]) -> dict[str, Any]:
+        # On the host whatever the sharding asked for: the caller places them, after reading the dtype each was
+        # stored in (a quantized TF dtype's tag, which a jax.Array would drop).
+        return {k: self.get(k) for k in requests}
 
     @cached_property
     def object_graph(self):

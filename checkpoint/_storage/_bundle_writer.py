@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -15,9 +14,9 @@ import numpy as np
 from checkpoint import _dtypes, _keys
 from checkpoint._storage._bundle import VERSION, data_filename, slice_key
 from checkpoint._storage._crc import crc32c, mask
-from checkpoint._storage._files import sync_directory, sync_file
+from checkpoint._storage._files import replacing
 from checkpoint._storage._table import write_table
-from checkpoint.protos import tensor_bundle_pb2, tensor_shape_pb2
+from checkpoint.protos import tensor_bundle_pb2, tensor_shape_pb2, types_pb2
 
 __all__ = ["Sliced", "write_bundle", "write_bundle_of_processes"]
 
@@ -34,7 +33,7 @@ class Sliced:
 
 def _records(tensors: Mapping[str, Any]) -> list[tuple[bytes, str, Any, Any]]:
     """(table key, key for messages, value to store or None, full entry of a sliced tensor or None), sorted."""
-    records = []
+    records: list[tuple[bytes, str, Any, Any]] = []
     for key, value in tensors.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"write_bundle: keys must be non-empty str, got {key!r}.")
@@ -71,7 +70,7 @@ def _records(tensors: Mapping[str, Any]) -> list[tuple[bytes, str, Any, Any]]:
     return sorted(records, key=lambda r: r[0])
 
 
-def _as_value(key: str, value) -> tuple[int, np.ndarray | bytes, tuple[int, ...], int | None]:
+def _as_value(key: str, value) -> tuple[types_pb2.DataType, np.ndarray | bytes, tuple[int, ...], int | None]:
     """(dtype enum, bytes to write, shape, unmasked crc32c or None: that of the bytes) of one value."""
     if isinstance(value, (bytes, str)):
         value = np.array(value.encode() if isinstance(value, str) else value, dtype=object)
@@ -124,22 +123,12 @@ def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     records = _records(tensors)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     header = tensor_bundle_pb2.BundleHeaderProto(num_shards=1, version={"producer": VERSION})
-    data_path = data_filename(prefix, 0, 1)
-    temp = f".tempstate{secrets.token_hex(8)}"
-    try:
-        items = _write_data(data_path, data_path + temp, records, 0)
-        _write_index(prefix, prefix + ".index" + temp, header, items)
-        os.replace(data_path + temp, data_path)
-        os.replace(prefix + ".index" + temp, prefix + ".index")
-        sync_directory(os.path.dirname(os.path.abspath(prefix)))
-    finally:
-        for path in (data_path + temp, prefix + ".index" + temp):
-            if os.path.exists(path):
-                os.remove(path)
+    with replacing(data_filename(prefix, 0, 1), prefix + ".index", tempstate=True) as (data, index):
+        _write_index(index, header, _write_data(data, records, 0))
 
 
-def _write_data(data_path: str, temp_path: str, records: list, shard: int) -> list[tuple[bytes, Any]]:
-    """Writes the values of `records` to `temp_path` (synced); returns their index entries (in shard `shard`)."""
+def _write_data(temp_path: str, records: list, shard: int) -> list[tuple[bytes, Any]]:
+    """Writes the values of `records` to `temp_path`; returns their index entries (in shard `shard`)."""
     items = []
     with ThreadPoolExecutor(1) as pool, open(temp_path, "wb") as f:
         offset = 0
@@ -153,24 +142,22 @@ def _write_data(data_path: str, temp_path: str, records: list, shard: int) -> li
                 crc = crc32c(data)
             # A large value's checksum runs beside its write (both release the GIL).
             job = pool.submit(crc32c, data) if crc is None else None
-            f.write(data)
+            f.write(data)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ from Python 3.12
             entry = tensor_bundle_pb2.BundleEntryProto(
                 dtype=enum, shard_id=shard, offset=offset, size=size,
-                crc32c=mask(crc if job is None else job.result())
+                crc32c=mask(crc if job is None else job.result()),  # type: ignore[arg-type]  # crc is None only with a job
             )
             entry.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape)
             items.append((name, entry))
             offset += size
-        sync_file(f)
     return items
 
 
-def _write_index(prefix: str, temp_path: str, header: Any, items: list[tuple[bytes, Any]]) -> None:
+def _write_index(temp_path: str, header: Any, items: list[tuple[bytes, Any]]) -> None:
     index = write_table([(b"", header.SerializeToString())] +
                         [(k, v.SerializeToString()) for k, v in sorted(items, key=lambda kv: kv[0])])
     with open(temp_path, "wb") as f:
         f.write(index)
-        sync_file(f)
 
 
 # ---------------------------------------------------------------------------
@@ -222,15 +209,8 @@ def write_bundle_of_processes(prefix: str, tensors: Mapping[str, Any], process: 
                                                             f"{[o for o, _ in extents]})", value, None))
         else:
             records.extend(_records({key: value}))
-    data_path = data_filename(prefix, process, processes)
-    temp = f".tempstate{secrets.token_hex(8)}"
-    try:
-        items = _write_data(data_path, data_path + temp, sorted(records, key=lambda r: r[0]), process)
-        os.replace(data_path + temp, data_path)
-        sync_directory(os.path.dirname(os.path.abspath(prefix)))
-    finally:
-        if os.path.exists(data_path + temp):
-            os.remove(data_path + temp)
+    with replacing(data_filename(prefix, process, processes), tempstate=True) as (data,):
+        items = _write_data(data, sorted(records, key=lambda r: r[0]), process)
     blobs = allgather(_encode_items(items))  # after every process's data file is in place
     if process != 0:
         return
@@ -238,14 +218,8 @@ def write_bundle_of_processes(prefix: str, tensors: Mapping[str, Any], process: 
     for blob in blobs:
         merged.update(_decode_items(blob))
     header = tensor_bundle_pb2.BundleHeaderProto(num_shards=processes, version={"producer": VERSION})
-    temp_index = prefix + ".index" + temp
-    try:
-        _write_index(prefix, temp_index, header, list(merged.items()))
-        os.replace(temp_index, prefix + ".index")  # the index last: it is what makes the bundle
-        sync_directory(os.path.dirname(os.path.abspath(prefix)))
-    finally:
-        if os.path.exists(temp_index):
-            os.remove(temp_index)
+    with replacing(prefix + ".index", tempstate=True) as (index,):  # the index last: it is what makes the bundle
+        _write_index(index, header, list(merged.items()))
 
 
 def _pieces(value: Any, process: int) -> tuple | None:

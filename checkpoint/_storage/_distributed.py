@@ -28,9 +28,10 @@ import hashlib
 import os
 import re
 import threading
-from typing import Any
 
 import numpy as np
+
+from checkpoint._storage import _orbax_private
 
 # Seconds a process waits at a barrier for the others; a process that does not arrive by then is
 # reported (dead or stuck). Long enough for a slow writer of a large checkpoint, short enough that a
@@ -71,13 +72,6 @@ def is_primary() -> bool:
     return process_index() == 0
 
 
-def _client() -> Any:
-    # jax keeps its distributed client private; orbax, whose multi-host writer we use anyway, hands it out.
-    from orbax.checkpoint._src.multihost import multihost
-
-    return multihost.get_jax_distributed_client()
-
-
 _USES: dict[str, int] = {}
 _USES_LOCK = threading.Lock()
 _TIMED_OUT = re.compile(r"timed out task names:\s*((?:\s*\S*?\d+\s*)+)", re.IGNORECASE)
@@ -94,7 +88,7 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
     with _USES_LOCK:  # the k-th barrier of a name is the same on every process (each save of a path is ordered)
         _USES[name] = _USES.get(name, 0) + 1
         name = f"{name}#{_USES[name]}"
-    client = _client()
+    client = _orbax_private.jax_distributed_client()
     try:
         client.wait_at_barrier(name, int(timeout_s * 1000))
     except Exception as e:  # jax raises JaxRuntimeError; its text names the tasks that timed out

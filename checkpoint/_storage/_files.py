@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
+import shutil
 import stat
-from typing import IO
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -14,18 +17,51 @@ from checkpoint._errors import CheckpointFormatError
 ORBAX_METADATA = os.path.join("meta", "metadata")  # the orbax format's own metadata file; its presence marks one
 
 
-def sync_file(f: IO) -> None:
-    """Flushes and fsyncs `f`, tolerating filesystems that have no fsync."""
+def sync_path(path: str) -> None:
+    """Fsyncs the file (or directory) `path`, tolerating filesystems that have no fsync."""
     # On disk before the rename that publishes it: after a power loss the checkpoint state file
     # (fsynced too) never names a checkpoint whose bytes were still in the page cache, when the
     # manager may already have deleted the one before it.
-    f.flush()
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(f.fileno())
+        os.fsync(fd)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise  # EIO and the like: the bytes may not be on disk
         # A filesystem without fsync (some FUSE and network mounts): as durable as it can be.
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def replacing(*paths: str, tempstate: bool = False) -> Iterator[list[str]]:
+    """Temporary names beside `paths` for the body to write; then each is fsynced and renamed over its path.
+
+    The renames go in order (the last file is the one that makes the whole
+    readable: a TF index), then the directory is fsynced: a reader, even
+    after a crash or a power loss, sees the old files or the new ones. If the
+    body or a rename fails, the temporaries left are removed. The names are
+    ``.<name>.tmp-<hex>``, or with `tempstate` ``<name>.tempstate<hex>`` as
+    TF's bundle writer names its own; in a checkpoint directory the next
+    save removes those a crash left of a bundle, the state file and the
+    manager's journal (`_publish.clean`).
+    """
+    token = secrets.token_hex(8)
+    temps = [f"{p}.tempstate{token}" if tempstate else
+             os.path.join(os.path.dirname(p), f".{os.path.basename(p)}.tmp-{token}") for p in paths]
+    try:
+        yield temps
+        for temp in temps:
+            sync_path(temp)
+        for temp, path in zip(temps, paths, strict=True):
+            os.replace(temp, path)
+        sync_directory(os.path.dirname(os.path.abspath(paths[-1])))
+    finally:
+        for temp in temps:
+            if os.path.isdir(temp) and not os.path.islink(temp):
+                shutil.rmtree(temp, ignore_errors=True)
+            elif os.path.lexists(temp):
+                os.remove(temp)
 
 
 def sync_directory(directory: str) -> None:
@@ -51,7 +87,7 @@ def pread(fd: int, size: int, offset: int, where: str) -> bytes:
 def pread_into(fd: int, buf: np.ndarray, offset: int, where: str) -> None:
     done = 0
     while done < buf.size:  # a single read can return less (e.g. over 2 GiB on Linux)
-        n = os.preadv(fd, [buf[done:]], offset + done)
+        n = os.preadv(fd, [buf[done:]], offset + done)  # type: ignore[list-item]  # ndarray __buffer__: 3.12 stubs
         if n <= 0:
             raise CheckpointFormatError(f"{where}: the file shrank while reading at offset {offset + done}")
         done += n

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from checkpoint._errors import CheckpointFormatError
-from checkpoint._storage._files import sync_directory, sync_file
-from checkpoint._storage._publish import MANAGER_FILE
+from checkpoint._storage._files import replacing, sync_directory
+from checkpoint._storage._publish import MANAGER_FILE, exists
 
 _JOURNAL_FORMAT = "varstate-checkpoint-manager"
 _JOURNAL_LIMIT = 64 << 20  # bytes; metrics of 100,000 checkpoints are a few MB
@@ -93,6 +93,16 @@ class Journal:
             ) from None
         self.metrics, self.saving = metrics, saving
 
+    def enter(self, path: str, metrics: dict[str, Any] | None) -> None:
+        """Stores the save of the checkpoint `path` as in flight, before it is moved into place.
+
+        If the save dies before recording it, the next save knows the
+        checkpoint at `path` for an orphan (and this save's metrics, if it
+        was recorded).
+        """
+        self.saving[os.path.basename(path)] = {"since": time.time(), "metrics": metrics, "replaces": exists(path)}
+        self.store()
+
     def store(self) -> None:
         directory = os.path.dirname(self.path)
         if not self.metrics and not self.saving:
@@ -101,14 +111,5 @@ class Journal:
                 sync_directory(directory)
             return
         data = {"format": _JOURNAL_FORMAT, "version": 1, "metrics": self.metrics, "saving": self.saving}
-        # Written beside and renamed over, as the state file: a reader sees the old file or the new one.
-        temp = os.path.join(directory, f".{MANAGER_FILE}.tmp-{secrets.token_hex(8)}")
-        try:
-            with open(temp, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-                sync_file(f)
-            os.replace(temp, self.path)
-            sync_directory(directory)
-        finally:
-            if os.path.exists(temp):
-                os.remove(temp)
+        with replacing(self.path) as (temp,), open(temp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)

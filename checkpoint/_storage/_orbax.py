@@ -1,17 +1,19 @@
 """The orbax storage backend: values through orbax/tensorstore, graph and layout beside them.
 
 A checkpoint is an orbax composite directory:
-  values/  an orbax PyTree: "p0", "p1", ... (uint8; the values under
-           `PACK_LIMIT` bytes, back to back, up to `PACK_BYTES` a pack, so
-           restoring one value reads one pack) and "a0", "a1", ... (each large
-           value as its own array, sharded as it was)
+  values/  an orbax PyTree: "p0", "p1", ... (batches: uint8, the values
+           under `BATCH_LIMIT` bytes back to back, up to `BATCH_BYTES` a
+           batch, so restoring one value reads one batch) and "a0", "a1", ...
+           (each large value as its own array, sharded as it was)
   meta/    JSON: format version, the serialized TrackableObjectGraph, and per
            checkpoint key its dtype, shape, crc32c and where its bytes are
-           (or a Python value itself); since version 2 also a crc32c of the
+           (or a Python value itself: a batched value's entry names its batch
+           as "pack" and the metadata lists the batches' sizes as "packs",
+           the format's names since version 1); since version 2 also a crc32c of the
            rest of the JSON in canonical form (`seal`), so a flipped bit in a
            Python value or the graph is caught like one in an array.
 orbax writes into a temporary directory and renames it when everything is
-written, so a checkpoint either exists whole or not at all. Packing is what
+written, so a checkpoint either exists whole or not at all. Batching is what
 makes 2,000 small variables cost one orbax array instead of 2,000.
 
 Three modules: `_orbax_layout` (saving: the layout, checksums, the orbax
@@ -51,8 +53,8 @@ from checkpoint._storage._orbax_layout import (
     seal,
 )
 from checkpoint._storage._orbax_validate import (
+    BATCH_NAME,
     MAX_DEPTH,
-    PACK_NAME,
     BadMetadataError,
     check_stored,
     first_line,
@@ -67,7 +69,7 @@ __all__ = ["FORMAT", "META_FILE", "VERSION", "OrbaxReader", "checkpointer", "crc
            "save_args", "seal"]
 
 _META_LIMIT = 256 << 20  # bytes of meta/metadata; a million keys take about 200 MB
-_OPEN_BATCH = 256  # arrays opened ahead of the reads
+_OPEN_AHEAD = 256  # arrays opened ahead of the reads
 _READ_AHEAD = 64 << 20  # bytes of values being read while the ones before are checked and placed
 
 
@@ -172,17 +174,17 @@ class OrbaxReader:
         except (ValueError, DecodeError) as e:  # binascii.Error is a ValueError
             raise BadMetadataError(f"its object graph cannot be read ({first_line(e)})", type(e).__name__) from None
         self.object_graph = graph if graph.nodes else None  # none: a converted name-based checkpoint
-        packs = meta.get("packs")
-        if not isinstance(packs, list) or not all(type(n) is int and n >= 0 for n in packs):
-            raise BadMetadataError(f"bad pack sizes {short(packs)}")
-        self._packs: list[int] = packs
+        batches = meta.get("packs")
+        if not isinstance(batches, list) or not all(type(n) is int and n >= 0 for n in batches):
+            raise BadMetadataError(f"bad pack sizes {short(batches)}")
+        self._batches: list[int] = batches
         self._entries: dict[str, dict] = entries
         self._slices: dict[str, list] = {}
         # What orbax must hold: array name -> (a key it holds, shape, stored dtype name).
-        # Only packs some value lies in: nothing reads the others, so a list of a million is no work.
+        # Only batches some value lies in: nothing reads the others, so a list of a million is no work.
         stored: dict[str, tuple[str, tuple[int, ...], str]] = {}
         for key, entry in entries.items():
-            boxes = validate(key, entry, packs)
+            boxes = validate(key, entry, batches)
             if boxes is not None:
                 self._slices[key] = boxes
             for part in entry.get("slices", [entry]) if "python" not in entry else ():
@@ -191,11 +193,8 @@ class OrbaxReader:
                         raise BadMetadataError(f"entry {key!r}: array {part['array']!r} holds another value too")
                     stored[part["array"]] = (key, tuple(part["shape"]), part.get("stored_as", part["dtype"]))
                 else:
-                    stored.setdefault(f"p{part['pack']}", (key, (packs[part["pack"]],), "uint8"))
+                    stored.setdefault(f"p{part['pack']}", (key, (batches[part["pack"]],), "uint8"))
         self._driver = check_stored(self.path, stored)
-
-    def _unreadable(self, names: dict, why: str) -> DataLossError:
-        return unreadable(self.path, names, why)
 
     def keys(self) -> list[str]:
         return sorted(self._entries)
@@ -218,6 +217,14 @@ class OrbaxReader:
         if "python" in e:
             return np.asarray(e["value"]).dtype
         return _dtypes.by_name(e["dtype"], key)
+
+    @property
+    def format_name(self) -> str:
+        return f"orbax {'object' if self.object_graph is not None else 'name'}-based checkpoint"
+
+    def get_slices(self, key: str) -> list[tuple[slice, ...]]:
+        self._entry(key)
+        return [_keys.slice_index(*zip(*box, strict=True)) for box in self._slices.get(key, ())]
 
     def get(self, key: str) -> np.ndarray:
         return self.get_many({key: None})[key]
@@ -296,7 +303,7 @@ class OrbaxReader:
             )
         except Exception as e:  # tensorstore reports damaged files as exceptions of many types, even bare ones
             named = {n: (w[0],) for n, w in missing.items() if f'"{n}/' in str(e)}  # its message names arrays
-            raise self._unreadable(named or {n: (w[0],) for n, w in missing.items()}, first_line(e)) from e
+            raise unreadable(self.path, named or {n: (w[0],) for n, w in missing.items()}, first_line(e)) from e
         finally:
             handler.close()
 
@@ -320,9 +327,9 @@ class OrbaxReader:
             spec = {"driver": self._driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name}}
             return name, ts.open(spec, open=True, read=True, context=context)
 
-        # Opened a batch ahead of the reads (their metadata is read concurrently), never all of a million at once.
-        opening = collections.deque(start_open(name) for name in names[:_OPEN_BATCH])
-        later = collections.deque(names[_OPEN_BATCH:])
+        # Opened a few hundred ahead of the reads (their metadata is read concurrently), never all of a million at once.
+        opening = collections.deque(start_open(name) for name in names[:_OPEN_AHEAD])
+        later = collections.deque(names[_OPEN_AHEAD:])
         reading: collections.deque = collections.deque()
         ahead = 0
         while opening or reading:
@@ -333,7 +340,7 @@ class OrbaxReader:
                 try:
                     store = future.result()
                 except Exception as e:  # tensorstore's errors are of many types; all mean the files are damaged
-                    raise self._unreadable({name: (keys[name],)}, first_line(e)) from None
+                    raise unreadable(self.path, {name: (keys[name],)}, first_line(e)) from None
                 nbytes = math.prod(store.shape) * store.dtype.numpy_dtype.itemsize
                 reading.append((name, store.read(), nbytes))
                 ahead += nbytes
@@ -342,7 +349,7 @@ class OrbaxReader:
             try:
                 value = future.result()
             except Exception as e:
-                raise self._unreadable({name: (keys[name],)}, first_line(e)) from None
+                raise unreadable(self.path, {name: (keys[name],)}, first_line(e)) from None
             yield name, value
 
     def _stream(self, streamed: dict[str, tuple]):
@@ -363,24 +370,24 @@ class OrbaxReader:
         if not isinstance(value, (np.ndarray, jax.Array)) or tuple(value.shape) != shape or \
                 np.dtype(value.dtype) != dtype:
             found = f"{type(value).__name__} {getattr(value, 'shape', '')} {getattr(value, 'dtype', '')}"
-            raise self._unreadable({name: (key,)}, f"read {found.strip()} for {shape} {dtype}")
+            raise unreadable(self.path, {name: (key,)}, f"read {found.strip()} for {shape} {dtype}")
 
     def _stored_as(self, name: str, part: dict) -> tuple[tuple[int, ...], np.dtype]:
-        if PACK_NAME.fullmatch(name):
-            return (self._packs[int(name[1:])],), np.dtype(np.uint8)
+        if BATCH_NAME.fullmatch(name):
+            return (self._batches[int(name[1:])],), np.dtype(np.uint8)
         return tuple(part["shape"]), _dtypes.BY_NAME[part.get("stored_as", part["dtype"])]
 
     def _value(self, key: str, e: dict, loaded: dict) -> Any:
         dtype, shape = _dtypes.by_name(e["dtype"], key), tuple(e["shape"])
         if "offset" in e:
             nbytes = math.prod(shape) * dtype.itemsize
-            packed, start = loaded[f"p{e['pack']}"], e["offset"]  # offsets were checked against the pack sizes
-            if packed.size != self._packs[e["pack"]]:
+            batch, start = loaded[f"p{e['pack']}"], e["offset"]  # offsets were checked against the batch sizes
+            if batch.size != self._batches[e["pack"]]:
                 raise DataLossError(
-                    f"Checkpoint {self.path!r}: value {key!r} lies in pack {e['pack']}, which holds {packed.size} "
-                    f"bytes; the metadata says {self._packs[e['pack']]}. The checkpoint is corrupted."
+                    f"Checkpoint {self.path!r}: value {key!r} lies in pack {e['pack']}, which holds {batch.size} "
+                    f"bytes; the metadata says {self._batches[e['pack']]}. The checkpoint is corrupted."
                 )
-            value = packed[start:start + nbytes].view(dtype).reshape(shape)
+            value = batch[start:start + nbytes].view(dtype).reshape(shape)
             host = value
         else:
             value = loaded[e["array"]]
@@ -451,6 +458,4 @@ def _held_here(sharding: Any) -> bool:
 
 def is_temporary(path: str) -> bool:
     """True for the directory of an orbax save that has not committed (asked of orbax, which names them)."""
-    from etils import epath
-
     return bool(ocp.step.is_tmp_checkpoint(epath.Path(path)))

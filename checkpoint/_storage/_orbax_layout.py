@@ -1,4 +1,4 @@
-"""The orbax format's save side: values into the orbax tree (packs and arrays) and the JSON metadata.
+"""The orbax format's save side: values into the orbax tree (batches and arrays) and the JSON metadata.
 
 The format itself is described in `_orbax`'s docstring; this module decides
 where each value's bytes go, checksums them, and seals the metadata.
@@ -25,8 +25,8 @@ from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 FORMAT = "varstate-orbax"
 VERSION = 2  # 2: the metadata carries a crc32c of itself (1 is read, without one)
 META_FILE = ORBAX_METADATA
-PACK_LIMIT = 1 << 20  # values smaller than this are packed
-PACK_BYTES = 64 << 20  # a pack is closed once it holds this much
+BATCH_LIMIT = 1 << 20  # values smaller than this are batched
+BATCH_BYTES = 64 << 20  # a batch is closed once it holds this much
 ALIGN = 64
 # Large arrays of these types are written as the wider type (tensorstore has no uint4); the
 # bytes, and so the checksum, are the same: ml_dtypes keeps one uint4 per byte.
@@ -45,9 +45,9 @@ def _dtype_name(dtype: np.dtype) -> str:
 class _Layout:
     """Collects values into the orbax tree and the JSON entries."""
 
-    def __init__(self, packed: bool, pack_bytes: int) -> None:
-        self.packed = packed
-        self.pack_bytes = pack_bytes
+    def __init__(self, batched: bool, batch_bytes: int) -> None:
+        self.batched = batched
+        self.batch_bytes = batch_bytes
         self.small: list[tuple[dict, Any]] = []
         self.large: dict[str, Any] = {}
         self.entries: dict[str, dict] = {}
@@ -59,10 +59,10 @@ class _Layout:
             raise TypeError(f"Cannot save {key!r}: dtype {dtype} is not supported by the orbax format.")
         entry = {"dtype": dtype_name, "shape": list(value.shape), **extra}
         nbytes = math.prod(value.shape) * dtype.itemsize
-        if self.packed and nbytes < PACK_LIMIT and on_every_host(value):
+        if self.batched and nbytes < BATCH_LIMIT and on_every_host(value):
             self.small.append((entry, value))
         else:
-            name = f"a{len(self.large)}" if self.packed else (name or key)
+            name = f"a{len(self.large)}" if self.batched else (name or key)
             if dtype_name in STORED_AS:  # a type tensorstore lacks: its values, widened losslessly
                 entry["stored_as"] = STORED_AS[dtype_name].name
                 value = value.astype(STORED_AS[dtype_name])
@@ -74,7 +74,7 @@ class _Layout:
 
     def finish(self) -> tuple[dict, dict]:
         tree: dict[str, Any] = {}
-        sizes = self._packs(tree)
+        sizes = self._batches(tree)
         for name, value in self.large.items():
             tree[name] = value
         by_shard = []
@@ -87,12 +87,12 @@ class _Layout:
         _shard_checksums(by_shard, self.large)
         return tree, {"packs": sizes}
 
-    def _packs(self, tree: dict[str, Any]) -> list[int]:
-        """Copies the small values into packs ("p0", "p1", ... in `tree`) and sets their entries; the pack sizes.
+    def _batches(self, tree: dict[str, Any]) -> list[int]:
+        """Copies the small values into batches (`tree`'s "p0", "p1", ...), sets their entries; the batch sizes.
 
-        Each value's place is worked out first, so each pack is one
+        Each value's place is worked out first, so each batch is one
         allocation that the values are copied into, and their checksums are
-        taken over the pack's bytes in one call: with 2,000 values a list of
+        taken over the batch's bytes in one call: with 2,000 values a list of
         parts to concatenate, and an array object per padding, cost more
         than the copies.
         """
@@ -106,34 +106,36 @@ class _Layout:
                 sharding = value.sharding
                 cpu = on_cpu.get(sharding)
                 if cpu is None:
-                    cpu = on_cpu[sharding] = all(d.platform == "cpu" for d in sharding.device_set)
+                    cpu = on_cpu[sharding] = all(
+                        d.platform == "cpu"  # type: ignore[attr-defined]  # jaxlib ships no stubs for Device
+                        for d in sharding.device_set)
                 if not cpu:
                     value.copy_to_host_async()
         hosts = [np.asarray(value) for _, value in self.small]
-        places: list[tuple[int, int, int]] = []  # (pack, offset, bytes) per value
+        places: list[tuple[int, int, int]] = []  # (batch, offset, bytes) per value
         sizes: list[int] = []
-        offset, filled = 0, 0  # filled: values in the pack being laid out
+        offset, filled = 0, 0  # filled: values in the batch being laid out
         for host in hosts:
             nbytes = host.nbytes
-            if filled and offset + nbytes > self.pack_bytes:
+            if filled and offset + nbytes > self.batch_bytes:
                 sizes.append(offset or ALIGN)
                 offset, filled = 0, 0
             places.append((len(sizes), offset, nbytes))
             offset += nbytes + (-(offset + nbytes) % ALIGN)
             filled += 1
-        sizes.append(offset or ALIGN)  # a pack of empty values only: orbax refuses an empty array
-        packs = [np.zeros(size, np.uint8) for size in sizes]  # zeroed: the padding between values
-        for host, (pack, start, nbytes) in zip(hosts, places, strict=True):
+        sizes.append(offset or ALIGN)  # a batch of empty values only: orbax refuses an empty array
+        batches = [np.zeros(size, np.uint8) for size in sizes]  # zeroed: the padding between values
+        for host, (batch, start, nbytes) in zip(hosts, places, strict=True):
             if nbytes:
-                packs[pack][start:start + nbytes] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
-        spans: list[list[tuple[int, int]]] = [[] for _ in packs]
-        for pack, start, nbytes in places:
-            spans[pack].append((start, nbytes))
-        crcs = [crc for pack, its in zip(packs, spans, strict=True) for crc in crc32c_spans(pack, its)]
-        for (entry, _), (pack, start, _), crc in zip(self.small, places, crcs, strict=True):
+                batches[batch][start:start + nbytes] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        spans: list[list[tuple[int, int]]] = [[] for _ in batches]
+        for batch, start, nbytes in places:
+            spans[batch].append((start, nbytes))
+        crcs = [crc for batch, its in zip(batches, spans, strict=True) for crc in crc32c_spans(batch, its)]
+        for (entry, _), (batch, start, _), crc in zip(self.small, places, crcs, strict=True):
             entry["crc32c"] = crc
-            entry["pack"], entry["offset"] = pack, start
-        tree.update((f"p{i}", pack) for i, pack in enumerate(packs))
+            entry["pack"], entry["offset"] = batch, start
+        tree.update((f"p{i}", batch) for i, batch in enumerate(batches))
         return sizes
 
     def entries_with_arrays(self):
@@ -144,7 +146,7 @@ class _Layout:
 
 
 def on_every_host(value: Any) -> bool:
-    """Every process can read all of `value` (so it can be packed and checksummed whole)."""
+    """Every process can read all of `value` (so it can be batched and checksummed whole)."""
     return not isinstance(value, jax.Array) or value.is_fully_addressable or value.is_fully_replicated
 
 
@@ -191,7 +193,7 @@ def _shard_checksums(entries: list[dict], large: dict[str, Any]) -> None:
     for entry in entries:
         value, crcs = large[entry["array"]], merged.get(entry["array"], {})
         shards = []
-        for box in _boxes(value):
+        for box in _boxes(value):  # type: ignore[union-attr]  # entries hold only arrays split in boxes
             text = json.dumps(box)
             if text not in crcs:
                 raise DataLossError(f"Saving {entry['array']!r}: no process checksummed its shard {box}; "
@@ -200,16 +202,16 @@ def _shard_checksums(entries: list[dict], large: dict[str, Any]) -> None:
         entry["shards"] = shards
 
 
-def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, packed: bool = True,
-           pack_bytes: int | None = None) -> tuple[dict, dict]:
+def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, batched: bool = True,
+           batch_bytes: int | None = None) -> tuple[dict, dict]:
     """{key: array | Python scalar | [(SaveSliceInfo, array), ...]} -> (orbax tree, JSON metadata).
 
-    ``packed=False``: every value is its own orbax array named by its
+    ``batched=False``: every value is its own orbax array named by its
     checkpoint key (slice i of a sliced value: ``<key>@slice_<i>``; a Python
     value too, as a numpy scalar), so that plain orbax restores the values
     item into {checkpoint key: array}.
     """
-    lay = _Layout(packed, PACK_BYTES if pack_bytes is None else pack_bytes)  # read now: a test makes packs small
+    lay = _Layout(batched, BATCH_BYTES if batch_bytes is None else batch_bytes)  # read now: tests make it small
     for key, value in values.items():
         if isinstance(value, (bool, int, float, str)) and not isinstance(value, np.generic):  # np.float64: array
             base = _dtypes.python_type(value)  # an IntEnum is an int
@@ -225,7 +227,7 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, packed: b
         else:
             lay.entries[key] = lay.add_array(key, value)
     tree, extra = lay.finish()
-    if not packed:  # for plain orbax readers; this reader takes them from the metadata
+    if not batched:  # for plain orbax readers; this reader takes them from the metadata
         tree.update((key, np.asarray(e["value"].encode() if e["python"] == "str" else e["value"]))
                     for key, e in lay.entries.items() if "python" in e and e["python"] != "str")
     meta = {

@@ -123,7 +123,7 @@ class OrbaxTreeReader:
             handler.close()
         tree = getattr(tree, "tree", tree)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            parts = tuple(_part(p) for p in path)
+            parts = tuple(_keys.local_name(p) for p in path)
             if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
                 raise CheckpointFormatError(
                     f"Checkpoint {self.path!r}: the value at {'/'.join(parts)!r} is a {type(leaf).__name__}, not an "
@@ -149,6 +149,10 @@ class OrbaxTreeReader:
 
     def dtype(self, key: str) -> np.dtype:
         return np.dtype(self._leaf(key)[2].dtype)
+
+    def get_slices(self, key: str) -> list[tuple[slice, ...]]:
+        self._leaf(key)
+        return []  # orbax stores each value whole
 
     def get(self, key: str) -> np.ndarray:
         return self.get_many({key: None})[key]
@@ -216,13 +220,6 @@ class OrbaxTreeReader:
         return out
 
 
-def _part(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def _synthesize(keys: list[str], paths: dict[str, tuple]) -> TrackableObjectGraph:
     """The object graph `Checkpoint` would save for a nested dict of Variables at these tree paths.
 
@@ -237,7 +234,7 @@ def _synthesize(keys: list[str], paths: dict[str, tuple]) -> TrackableObjectGrap
     index: dict[tuple, int] = {(): 0}
     children: dict[int, dict[str, int]] = {0: {}}
     for key in keys:
-        parts = tuple(_part(p) for p in paths[key])
+        parts = tuple(_keys.local_name(p) for p in paths[key])
         prefix = key[: len(key) - len("/".join(parts))]  # an item's name, or nothing
         parts = tuple(p for p in prefix.rstrip("/").split("/") if p) + parts if prefix else parts
         for depth in range(1, len(parts) + 1):
@@ -251,7 +248,7 @@ def _synthesize(keys: list[str], paths: dict[str, tuple]) -> TrackableObjectGrap
         attr = node.attributes.add()
         attr.name, attr.full_name, attr.checkpoint_key = _keys.VARIABLE_VALUE, key, key
     for parts, node_id in list(index.items()):
-        parent = index.get(parts[:-1]) if parts else None
+        parent = index[parts[:-1]] if parts else 0  # every prefix has its node; the root is skipped below
         if parts and parts[-1] == _NNX_VALUE and len(children[parent]) == 1 and parent != 0 \
                 and not proto.nodes[parent].attributes:
             proto.nodes[parent].attributes.extend(proto.nodes[node_id].attributes)

@@ -21,15 +21,15 @@ from checkpoint._storage._files import read_regular, stored_bytes
 from checkpoint._storage._orbax_layout import STORED_AS
 
 ARRAY_NAME = re.compile(r"a[0-9]+")
-PACK_NAME = re.compile(r"p[0-9]+")
-_SLICE_SUFFIX = re.compile(r"@slice_[0-9]+")  # an unpacked checkpoint's slice i of a sliced value
+BATCH_NAME = re.compile(r"p[0-9]+")
+_SLICE_SUFFIX = re.compile(r"@slice_[0-9]+")  # slice i of a sliced value, in a checkpoint without batches
 MAX_DEPTH = 16  # JSON nesting; the format needs 6 (meta, entries, entry, slices, slice, shape)
 _MAX_RANK = 64  # numpy's limit
 _MAX_ELEMENTS = 1 << 59  # a shape's elements (zero dimensions counted as one), as the TF reader allows
 # Bytes the values may claim beyond the files under values/: orbax inlines a value of up to 1 KiB in its
-# compressed b-tree nodes, and only the last pack can be that small; every other value is stored raw.
+# compressed b-tree nodes, and only the last batch can be that small; every other value is stored raw.
 _SLACK = 1 << 16
-_PROBE_BATCH = 256  # arrays whose stored shape and dtype are read at once
+_PROBE_AT_ONCE = 256  # arrays whose stored shape and dtype are read at once
 _ORBAX_METADATA_LIMIT = 256 << 20  # bytes of values/_METADATA (orbax's tree metadata), as for meta/metadata
 
 
@@ -56,7 +56,7 @@ def first_line(error: BaseException, limit: int = 300) -> str:
 def too_deep(value: Any) -> bool:
     level = [value]
     for _ in range(MAX_DEPTH):  # level by level, not recursion: the depth is what is being checked
-        inner = []
+        inner: list[Any] = []
         for node in level:
             children = node.values() if type(node) is dict else node
             inner.extend(c for c in children if type(c) is dict or type(c) is list)
@@ -80,7 +80,7 @@ def _dtype_name(key: str, e: dict) -> str:
     return name
 
 
-def validate(key: str, e: Any, packs: list[int]) -> list | None:
+def validate(key: str, e: Any, batches: list[int]) -> list | None:
     """Metadata is data: every name, shape and offset is checked before it is used.
 
     Returns a sliced entry's slices as (offset, extent) per dimension, else None.
@@ -103,7 +103,7 @@ def validate(key: str, e: Any, packs: list[int]) -> list | None:
     dtype = _dtype_name(key, e)
     shape = _check_shape(key, e.get("shape"))
     if "slices" not in e:
-        _validate_stored(key, e, packs, dtype, shape)
+        _validate_stored(key, e, batches, dtype, shape)
         return None
     slices = e["slices"]
     if type(slices) is not list or not slices:
@@ -123,7 +123,7 @@ def validate(key: str, e: Any, packs: list[int]) -> list | None:
         if full != shape or extent != part_shape or any(
                 o < 0 or o + n > d for o, n, d in zip(offset, extent, shape, strict=True)):
             raise BadMetadataError(f"entry {key!r}: slice {short(spec)} does not fit shape {list(shape)}")
-        _validate_stored(key, part, packs, dtype, part_shape)
+        _validate_stored(key, part, batches, dtype, part_shape)
         boxes.append(list(zip(offset, extent, strict=True)))
     try:
         tiled = _keys.covers_exactly(shape, boxes)
@@ -134,8 +134,8 @@ def validate(key: str, e: Any, packs: list[int]) -> list | None:
     return boxes
 
 
-def _validate_stored(key: str, e: dict, packs: list[int], dtype: str, shape: tuple[int, ...]) -> None:
-    """Where a value's bytes are: its own array, or a range of a pack; and their crc32c."""
+def _validate_stored(key: str, e: dict, batches: list[int], dtype: str, shape: tuple[int, ...]) -> None:
+    """Where a value's bytes are: its own array, or a range of a batch (``pack`` on disk); and their crc32c."""
     crc = e.get("crc32c")
     if "array" in e and "shards" in e:
         _validate_shards(key, e["shards"], shape)
@@ -151,12 +151,12 @@ def _validate_stored(key: str, e: dict, packs: list[int], dtype: str, shape: tup
         if "stored_as" in e and (dtype not in STORED_AS or e["stored_as"] != STORED_AS[dtype].name):
             raise BadMetadataError(f"entry {key!r}: {dtype} cannot be stored as {short(e['stored_as'])}")
         return
-    pack, offset = e.get("pack"), e.get("offset")
+    batch, offset = e.get("pack"), e.get("offset")
     nbytes = math.prod(shape) * _dtypes.BY_NAME[dtype].itemsize
-    if type(pack) is not int or not 0 <= pack < len(packs):
-        raise BadMetadataError(f"entry {key!r}: no pack {short(pack)}")
-    if type(offset) is not int or offset < 0 or offset + nbytes > packs[pack]:
-        raise BadMetadataError(f"entry {key!r}: bytes [{short(offset)}, +{nbytes}) lie outside pack {pack}")
+    if type(batch) is not int or not 0 <= batch < len(batches):
+        raise BadMetadataError(f"entry {key!r}: no pack {short(batch)}")
+    if type(offset) is not int or offset < 0 or offset + nbytes > batches[batch]:
+        raise BadMetadataError(f"entry {key!r}: bytes [{short(offset)}, +{nbytes}) lie outside pack {batch}")
 
 
 def _validate_shards(key: str, shards: Any, shape: tuple[int, ...]) -> None:
@@ -200,11 +200,11 @@ def check_stored(path: str, stored: dict[str, tuple[str, tuple[int, ...], str]])
     context = ts.Context()
     base = {"driver": "file", "path": values + os.sep}
     names = list(stored)
-    for start in range(0, len(names), _PROBE_BATCH):
-        _probe(path, stored, names[start:start + _PROBE_BATCH], driver, base, context)
+    for start in range(0, len(names), _PROBE_AT_ONCE):
+        _probe(path, stored, names[start:start + _PROBE_AT_ONCE], driver, base, context)
     sizes = {name: math.prod(shape) * _dtypes.BY_NAME[dtype].itemsize for name, (_, shape, dtype) in stored.items()}
     if sum(sizes.values()) > on_disk + _SLACK:
-        largest = {n: stored[n] for n in sorted(sizes, key=sizes.get, reverse=True)}  # the likeliest cut short
+        largest = {n: stored[n] for n in sorted(sizes, key=sizes.__getitem__, reverse=True)}  # the likeliest cut short
         raise unreadable(path, largest, f"they take {sum(sizes.values())} bytes, but the files under {values} "
                                          f"hold {on_disk}: a value file is truncated or missing")
     return driver
@@ -213,7 +213,7 @@ def check_stored(path: str, stored: dict[str, tuple[str, tuple[int, ...], str]])
 def _probe(path: str, stored: dict, names: list[str], driver: str, base: dict, context: Any) -> None:
     import tensorstore as ts
 
-    # Opened together (tensorstore reads their metadata concurrently), a batch at a time: a file naming a
+    # Opened together (tensorstore reads their metadata concurrently), a few hundred at a time: a file naming a
     # million arrays that are not there fails at the first batch.
     opening = {
         name: ts.open({"driver": driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name}},
@@ -226,7 +226,7 @@ def _probe(path: str, stored: dict, names: list[str], driver: str, base: dict, c
             array = future.result()
         except Exception as e:  # tensorstore's errors are of many types; all mean the files are damaged
             raise unreadable(path, {name: stored[name]}, first_line(e)) from None
-        if PACK_NAME.fullmatch(name) and tuple(array.shape) != shape:
+        if BATCH_NAME.fullmatch(name) and tuple(array.shape) != shape:
             raise DataLossError(
                 f"Checkpoint {path!r}: cannot read stored values: value {key!r} lies in pack {name[1:]}, "
                 f"which holds {math.prod(array.shape)} bytes; the metadata says {shape[0]}. The checkpoint is "

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from checkpoint import _storage
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage import ORBAX_METADATA, STATE_FILE
-from checkpoint._storage._files import sync_directory, sync_file
+from checkpoint._storage._files import sync_directory, sync_path
 
 try:
     import fcntl
 except ImportError:  # no flock (Windows): leftovers are judged by age alone
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module or None: callers test it
 
 _log = logging.getLogger("checkpoint")
 
@@ -115,10 +115,6 @@ def publish(temp: str, path: str) -> None:
     stand_in = temporary(path, "standin")
     try:
         link_stand_in(path, stand_in)
-    except BaseException:
-        remove(stand_in)
-        raise
-    try:
         named = point_state(directory, path, stand_in)
     except BaseException:
         remove(stand_in)
@@ -138,7 +134,7 @@ def _link(src: str, dst: str) -> None:
     except OSError:  # no hard links here (some FUSE and network filesystems): a real copy, synced
         with open(src, "rb") as fin, open(dst, "wb") as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)
-            sync_file(fout)
+        sync_path(dst)
 
 
 def link_stand_in(path: str, stand_in: str) -> None:
@@ -244,16 +240,11 @@ class SaveLock:
     """Marks a save in progress in a directory: a shared flock on the directory itself, until `release`."""
 
     def __init__(self, directory: str) -> None:
-        self._fd: int | None = os.open(directory, os.O_RDONLY)
-
-    @property
-    def fd(self) -> int:
-        assert self._fd is not None
-        return self._fd
+        self.fd = os.open(directory, os.O_RDONLY)
 
     def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
             os.close(fd)  # closing drops the lock
 
 
@@ -302,20 +293,16 @@ def begin(directory: str, then: Callable[[float], None] | None = None) -> SaveLo
 
 
 def _newest_change(paths: list[str]) -> float:
-    newest = 0.0
-    for p in paths:
-        try:
-            newest = max(newest, os.lstat(p).st_mtime)
-        except OSError:
-            continue
-        if os.path.isdir(p) and not os.path.islink(p):
-            for root, dirs, files in os.walk(p):
-                for name in dirs + files:
-                    try:
-                        newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
-                    except OSError:
-                        pass
-    return newest
+    inside = [os.path.join(root, n) for p in paths if os.path.isdir(p) and not os.path.islink(p)
+              for root, dirs, files in os.walk(p) for n in dirs + files]
+    return max(map(_changed, paths + inside), default=0.0)
+
+
+def _changed(path: str) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:  # gone meanwhile
+        return 0.0
 
 
 def clean(directory: str, older_than: float) -> None:
@@ -332,17 +319,14 @@ def clean(directory: str, older_than: float) -> None:
     def artifacts(base: str) -> list[str]:
         return [base, base + ".index", *data_files(base), base + _ORBAX_TMP]
 
-    temps: dict[str, str] = {}
-    for name in names:
-        m = _TEMP.fullmatch(name)
-        if m:
-            temps[os.path.join(directory, f"{m['path']}.varstate-{m['kind']}-{m['token']}")] = m["kind"]
-    for temp, kind in sorted(temps.items(), key=lambda kv: kv[1] != "standin"):  # stand-ins first
+    temps: dict[str, tuple[str, str]] = {}  # temporary -> (its kind, the path it is for)
+    for m in filter(None, map(_TEMP.fullmatch, names)):
+        temps[os.path.join(directory, f"{m['path']}.varstate-{m['kind']}-{m['token']}")] = (m["kind"], m["path"])
+    for temp, (kind, path) in sorted(temps.items(), key=lambda kv: kv[1][0] != "standin"):  # stand-ins first
         if not stale(artifacts(temp)):
             continue
         try:
             if kind == "standin":
-                path = _TEMP.fullmatch(os.path.basename(temp))["path"]
                 path = os.path.join(directory, path)
                 # The swap stopped after the old checkpoint went and before the new one came: the old one returns.
                 if not exists(path) and exists(temp):

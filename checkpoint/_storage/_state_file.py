@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from collections.abc import Sequence
 
 from google.protobuf import text_format
 
 from checkpoint._errors import CheckpointFormatError
-from checkpoint._storage._files import inside, read_regular, sync_file
+from checkpoint._storage._files import inside, read_regular, replacing
 from checkpoint.protos.checkpoint_state_pb2 import CheckpointState
 
 __all__ = ["STATE_FILE", "latest_in", "read_checkpoint_state", "record_latest", "write_checkpoint_state"]
@@ -88,18 +87,8 @@ def write_checkpoint_state(
         all_model_checkpoint_timestamps=stamps,
         last_preserved_timestamp=last_preserved_timestamp or 0.0,
     )
-    path = os.path.join(directory, STATE_FILE)
-    # Written beside and renamed over, after an fsync: readers see the old file or the
-    # new one, even after a crash. CheckpointManager removes leftovers by this name.
-    temp = os.path.join(directory, f".{STATE_FILE}.tmp-{secrets.token_hex(8)}")
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
-            f.write(text_format.MessageToString(state))
-            sync_file(f)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
+    with replacing(os.path.join(directory, STATE_FILE)) as (temp,), open(temp, "w", encoding="utf-8") as f:
+        f.write(text_format.MessageToString(state))
     return state
 
 

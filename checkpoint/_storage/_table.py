@@ -76,7 +76,7 @@ def _entries(buf: bytes, start: int, stop: int, what: str) -> list[tuple[bytes, 
     if stop < start:
         raise CheckpointFormatError(f"{what}: claims {num_restarts} restart points in {stop - start} bytes")
     pos = start
-    out = []
+    out: list[tuple[bytes, bytes]] = []
     key = b""
     while pos < stop:
         entry = pos
@@ -117,10 +117,10 @@ def read_table(data: bytes, name: str) -> list[tuple[bytes, bytes]]:
         _block(data, (handles[0], handles[1]), footer, "metaindex block")  # unused, but checked like the rest
         index = _entries(data, *_block(data, (handles[2], handles[3]), footer, "index block"), "index block")
         result: list[tuple[bytes, bytes]] = []
-        for i, (_, value) in enumerate(index):
+        for i, (_, handle) in enumerate(index):
             what = f"data block {i}"
-            off, p = read_varint(value, 0, len(value), 70, what)
-            size, _ = read_varint(value, p, len(value), 70, what)
+            off, p = read_varint(handle, 0, len(handle), 70, what)
+            size, _ = read_varint(handle, p, len(handle), 70, what)
             entries = _entries(data, *_block(data, (off, size), footer, what), what)
             if result and entries and entries[0][0] <= result[-1][0]:
                 raise CheckpointFormatError(f"{what}: keys out of order across blocks")

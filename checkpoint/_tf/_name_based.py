@@ -66,32 +66,18 @@ class NameBasedLoadStatus:
     def assert_existing_objects_matched(self) -> NameBasedLoadStatus:
         """AssertionError unless every variable of the template was restored."""
         if self.missing_in_checkpoint:
-            raise AssertionError(
-                f"Variables not found in the checkpoint: {list(self.missing_in_checkpoint)} (they kept their "
-                "template values). Map them to checkpoint names with assignment_map, or list the checkpoint's "
-                "names with `python -m checkpoint inspect PATH`."
-            )
+            raise AssertionError(f"Variables not found in the checkpoint: {list(self.missing_in_checkpoint)} (they "
+                                 "kept their template values). Map them to checkpoint names with assignment_map, or "
+                                 "list the checkpoint's names with `python -m checkpoint inspect PATH`.")
         return self
 
     def assert_consumed(self) -> NameBasedLoadStatus:
         """AssertionError unless every variable was restored and every checkpoint value was used."""
         self.assert_existing_objects_matched()
         if self.unused_in_checkpoint:
-            raise AssertionError(
-                f"Unused checkpoint values: {list(self.unused_in_checkpoint)} (not restored into any variable); "
-                "add variables for them or map them with assignment_map."
-            )
+            raise AssertionError(f"Unused checkpoint values: {list(self.unused_in_checkpoint)} (not restored into any "
+                                 "variable); add variables for them or map them with assignment_map.")
         return self
-
-
-def _full_name(v: Variable) -> str:
-    info = v.save_slice_info
-    return v.name if info is None else info.full_name
-
-
-def _full_shape(v: Variable) -> tuple[int, ...]:
-    info = v.save_slice_info
-    return tuple(v.shape) if info is None else tuple(info.full_shape)
 
 
 def _pairs(assignment_map: Any) -> list[tuple[str, Any]]:
@@ -99,10 +85,8 @@ def _pairs(assignment_map: Any) -> list[tuple[str, Any]]:
     try:
         pairs = [(k, t) for k, t in items]
     except (TypeError, ValueError):
-        raise TypeError(
-            "assignment_map must be a dict or a list of (checkpoint name, variable or name) pairs, "
-            f"got {type(assignment_map).__name__}."
-        ) from None
+        raise TypeError("assignment_map must be a dict or a list of (checkpoint name, variable or name) pairs, "
+                        f"got {type(assignment_map).__name__}.") from None
     for k, _ in pairs:
         if not isinstance(k, str) or not k:
             raise TypeError(f"assignment_map keys must be checkpoint names or scopes (non-empty str), got {k!r}.")
@@ -120,57 +104,46 @@ def _plan(pairs, groups, by_id, ckpt_keys, where) -> dict[str, str]:
             for v in shards:
                 if not isinstance(v, Variable) or v.resource_id not in by_id:
                     what = f"Variable {v.name!r}" if isinstance(v, Variable) else type(v).__name__
-                    raise ValueError(
-                        f"assignment_map[{ckpt_name!r}]: the {what} is not a Variable of params. "
-                        "Pass variables from the params being restored, or their names."
-                    )
+                    raise ValueError(f"assignment_map[{ckpt_name!r}]: the {what} is not a Variable of params. "
+                                     "Pass variables from the params being restored, or their names.")
                 names.add(by_id[v.resource_id])
             if len(names) != 1:
-                raise ValueError(
-                    f"assignment_map[{ckpt_name!r}]: slices must all be from the same variable, got {sorted(names)}."
-                )
+                raise ValueError(f"assignment_map[{ckpt_name!r}]: slices must all be from the same variable, got "
+                                 f"{sorted(names)}.")
             name = names.pop()
         elif not isinstance(target, str):
-            raise TypeError(
-                f"assignment_map[{ckpt_name!r}]: expected a variable name, a scope ending in '/', a Variable or a "
-                f"PartitionedVariable, got {type(target).__name__}."
-            )
+            raise TypeError(f"assignment_map[{ckpt_name!r}]: expected a variable name, a scope ending in '/', a "
+                            f"Variable or a PartitionedVariable, got {type(target).__name__}.")
         elif target in groups:
             name = target
         else:
             plan.update(_plan_scope(ckpt_name, target, groups, ckpt_keys, where))
             continue
         if ckpt_name not in ckpt_keys:
-            raise ValueError(
-                f"Tensor {ckpt_name!r} is not found in checkpoint {where} (asked for by assignment_map for variable "
-                f"{name!r}). List its names with `python -m checkpoint inspect {where}`."
-            )
+            raise ValueError(f"Tensor {ckpt_name!r} is not found in checkpoint {where} (asked for by assignment_map "
+                             f"for variable {name!r}). List its names with `python -m checkpoint inspect {where}`.")
         plan[name] = ckpt_name
     return plan
 
 
 def _plan_scope(ckpt_scope: str, scope: str, groups, ckpt_keys, where) -> dict[str, str]:
     if not scope.endswith("/"):
-        raise ValueError(
-            f"assignment_map[{ckpt_scope!r}] = {scope!r}: params have no variable named {scope!r}; "
-            f"to map a scope, end both sides with '/' (e.g. {ckpt_scope.rstrip('/') + '/'!r}: {scope + '/'!r})."
-        )
+        raise ValueError(f"assignment_map[{ckpt_scope!r}] = {scope!r}: params have no variable named {scope!r}; "
+                         f"to map a scope, end both sides with '/' (e.g. {ckpt_scope.rstrip('/') + '/'!r}: "
+                         f"{scope + '/'!r}).")
     if not ckpt_scope.endswith("/"):
-        raise ValueError(
-            f"assignment_map[{ckpt_scope!r}] = {scope!r}: a scope must map to a checkpoint scope ending in '/' "
-            f"(e.g. {ckpt_scope + '/'!r}: {scope!r}), or name a single variable on both sides."
-        )
+        raise ValueError(f"assignment_map[{ckpt_scope!r}] = {scope!r}: a scope must map to a checkpoint scope "
+                         f"ending in '/' (e.g. {ckpt_scope + '/'!r}: {scope!r}), or name a single variable on both "
+                         "sides.")
     prefix = "" if scope == "/" else scope
     plan = {}
     for name in sorted(n for n in groups if n.startswith(prefix)):
         tail = name[len(prefix):]
         key = tail if ckpt_scope == "/" else ckpt_scope + tail
         if key not in ckpt_keys:
-            raise ValueError(
-                f"Tensor {key!r} is not found in checkpoint {where}: assignment_map maps scope {scope!r} to "
-                f"{ckpt_scope!r}, and {scope!r} holds variable {name!r}. Map that variable separately, "
-                "or restore without it."
-            )
+            raise ValueError(f"Tensor {key!r} is not found in checkpoint {where}: assignment_map maps scope {scope!r} "
+                             f"to {ckpt_scope!r}, and {scope!r} holds variable {name!r}. Map that variable separately, "
+                             "or restore without it.")
         plan[name] = key
     return plan
 
@@ -179,10 +152,8 @@ def _check_dtype(have: np.dtype, want: np.dtype, name: str, key: str) -> None:
     # TF refuses to change a dtype on restore. One exception: with 64-bit types
     # disabled, JAX made the variable 32-bit (TF's int64 `global_step`).
     if not _dtypes.fits(have, want):
-        raise TypeError(
-            f"Dtype of variable {name!r} ({want}) does not match the dtype of tensor {key!r} ({have}) in the "
-            f"checkpoint. Create the variable with dtype {have}."
-        )
+        raise TypeError(f"Dtype of variable {name!r} ({want}) does not match the dtype of tensor {key!r} ({have}) in "
+                        f"the checkpoint. Create the variable with dtype {have}.")
 
 
 # TF1's slot names: {our slot names: [(TF1 optimizer's default name, our slots in TF1's creation order)]}.
@@ -215,23 +186,30 @@ def tf1_slot_name(optimizer_name: str, order: tuple[str, ...], slot: str) -> str
 
 
 def _variables(leaves: list, start: int, stop: int) -> tuple[dict[str, list[int]], dict[int, str]]:
+    """{full name: leaf indices} of the Variables in leaves[start:stop], and {resource id: full name}.
+
+    A partitioned variable's shards share one full name.
+    """
     groups: dict[str, list[int]] = {}
     by_id: dict[int, str] = {}
     for i in range(start, stop):
         leaf = leaves[i]
         if isinstance(leaf, Variable):
-            name = _full_name(leaf)
+            name = leaf.name if leaf.save_slice_info is None else leaf.save_slice_info.full_name
             groups.setdefault(name, []).append(i)
             by_id[leaf.resource_id] = name
     return groups, by_id
 
 
-def _full_names(reader: Any) -> dict[str, str]:
-    """{attribute full_name: checkpoint key} of an object-based checkpoint (TF's object_graph_key_mapping)."""
-    graph = getattr(reader, "object_graph", None)
-    if graph is None:
-        return {}
-    return {a.full_name: a.checkpoint_key for node in graph.nodes for a in node.attributes if a.full_name}
+def _key_by_name(reader: Any, ckpt_keys: set[str]) -> dict[str, str]:
+    """{name: checkpoint key}: every key under its own name, and under an object graph's full_name for it.
+
+    The full names are TF's object_graph_key_mapping, on an object-based checkpoint; a key's own name wins.
+    """
+    graph = reader.object_graph
+    full_names = {} if graph is None else {
+        a.full_name: a.checkpoint_key for node in graph.nodes for a in node.attributes if a.full_name}
+    return {**{n: k for n, k in full_names.items() if k in ckpt_keys}, **{k: k for k in ckpt_keys}}
 
 
 def _slot_layout(state: Any, ckpt_keys: set[str], optimizer_name: str | None) -> tuple[str, tuple[str, ...]] | None:
@@ -249,7 +227,7 @@ def _slot_layout(state: Any, ckpt_keys: set[str], optimizer_name: str | None) ->
     return layouts[0]
 
 
-def _state_plan(leaves, groups, by_id_params, plan, ckpt_keys, full_names, layout, mapped, scope) -> dict[str, str]:
+def _state_plan(leaves, groups, by_id_params, plan, key_by_name, layout, mapped, scope) -> dict[str, str]:
     """{state variable name: checkpoint key}: slots follow their primary, non-slots keep their names."""
     out: dict[str, str] = {}
     for name, idx in groups.items():
@@ -265,11 +243,9 @@ def _state_plan(leaves, groups, by_id_params, plan, ckpt_keys, full_names, layou
             candidates = [f"{base}/{slot}"]
             if layout is not None:
                 candidates.append(f"{scope}{base}/{tf1_slot_name(layout[0], layout[1], slot)}")
-        for c in candidates:
-            key = c if c in ckpt_keys else full_names.get(c)
-            if key in ckpt_keys:
-                out[name] = key
-                break
+        key = next((key_by_name[c] for c in candidates if c in key_by_name), None)
+        if key is not None:
+            out[name] = key
     return out
 
 
@@ -352,14 +328,11 @@ def restore_by_name(
     """
     where = os.fspath(prefix)
     reader = _storage.open_reader(prefix)
-    ckpt_keys = set(reader.keys())
-    ckpt_keys.discard(_keys.OBJECT_GRAPH_KEY)
-    full_names = _full_names(reader)
+    ckpt_keys = set(reader.keys()) - {_keys.OBJECT_GRAPH_KEY}
+    key_by_name = _key_by_name(reader, ckpt_keys)
     if optimizer_state is not None and not isinstance(optimizer_state, OptimizerState):
-        raise TypeError(
-            f"restore_by_name: optimizer_state must be an OptimizerState (from opt.init(params)), got "
-            f"{type(optimizer_state).__name__}."
-        )
+        raise TypeError("restore_by_name: optimizer_state must be an OptimizerState (from opt.init(params)), got "
+                        f"{type(optimizer_state).__name__}.")
 
     given_state = optimizer_state
     if optimizer_state is not None and optimizer_state.fused:  # matched per slot Variable, packed back at the end
@@ -370,19 +343,15 @@ def restore_by_name(
     groups, by_id = _variables(leaves, 0, n_params)
 
     if assignment_map is None:
-        plan = {}
-        for name in groups:
-            key = name if name in ckpt_keys else full_names.get(name)
-            if key in ckpt_keys:
-                plan[name] = key
+        plan = {name: key_by_name[name] for name in groups if name in key_by_name}
     else:
         plan = _plan(_pairs(assignment_map), groups, by_id, ckpt_keys, where)
     if optimizer_state is not None:
         state_groups, _ = _variables(leaves, n_params, len(leaves))
         layout = _slot_layout(optimizer_state, ckpt_keys, optimizer_name)
         scope = optimizer_scope.strip("/") + "/" if optimizer_scope.strip("/") else ""
-        state_plan = _state_plan(leaves, state_groups, by_id, plan, ckpt_keys, full_names, layout,
-                                 assignment_map is not None, scope)
+        state_plan = _state_plan(leaves, state_groups, by_id, plan, key_by_name, layout, assignment_map is not None,
+                                 scope)
         for name, idx in state_groups.items():
             groups.setdefault(name, []).extend(idx)
         plan.update({n: k for n, k in state_plan.items() if n not in plan})
@@ -391,12 +360,12 @@ def restore_by_name(
     for name, key in plan.items():
         have = tuple(reader.shape(key))
         for i in groups[name]:
-            want = _full_shape(leaves[i])
+            info = leaves[i].save_slice_info
+            want = tuple(leaves[i].shape) if info is None else tuple(info.full_shape)
             if want != have:
-                raise ValueError(
-                    f"Shape of variable {name!r} {want} does not match the shape of tensor {key!r} {have} in "
-                    f"checkpoint {where}. Create the variable with shape {have}, or map it to another tensor."
-                )
+                raise ValueError(f"Shape of variable {name!r} {want} does not match the shape of tensor {key!r} {have} "
+                                 f"in checkpoint {where}. Create the variable with shape {have}, or map it to another "
+                                 "tensor.")
             _check_dtype(np.dtype(reader.dtype(key)), np.dtype(leaves[i].dtype), name, key)
 
     new = list(leaves)
@@ -409,17 +378,12 @@ def restore_by_name(
             if info is not None:
                 part = part[_keys.slice_index(info.var_offset, info.var_shape)]
             new[i] = v.assign(part)
-    used = set(plan.values())
     restored, state = jax.tree_util.tree_unflatten(treedef, new)
     if given_state is not None and given_state.fused:
         state = given_state.replace(slots=state.slots, non_slots=state.non_slots)
-    return NameBasedLoadStatus(
-        params=restored,
-        matched={name: plan[name] for name in sorted(plan)},
-        missing_in_checkpoint=tuple(sorted(n for n in groups if n not in plan)),
-        unused_in_checkpoint=tuple(sorted(ckpt_keys - used)),
-        optimizer_state=state,
-    )
+    return NameBasedLoadStatus(params=restored, matched=dict(sorted(plan.items())), optimizer_state=state,
+                               missing_in_checkpoint=tuple(sorted(n for n in groups if n not in plan)),
+                               unused_in_checkpoint=tuple(sorted(ckpt_keys - set(plan.values()))))
 
 
 def write_name_based(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> str:
@@ -443,13 +407,12 @@ def write_name_based(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> s
     out: dict[str, Any] = {}
     for name, value in tensors.items():
         if isinstance(value, PartitionedVariable):
-            shards = list(value)
-            infos = [v.save_slice_info for v in shards]
+            infos = [v.save_slice_info for v in value]
             if any(info is None for info in infos):
                 raise ValueError(f"write_name_based: a shard of {name!r} has no SaveSliceInfo; build the "
                                  "PartitionedVariable with varstate.PartitionedVariable(...), which gives each one.")
             out[name] = _storage.Sliced(tuple(infos[0].full_shape), [
-                (tuple(info.var_offset), np.asarray(v.value)) for info, v in zip(infos, shards, strict=True)])
+                (tuple(info.var_offset), np.asarray(v.value)) for info, v in zip(infos, value, strict=True)])
         else:
             out[name] = np.asarray(value.value if isinstance(value, Variable) else value)
     path = os.fspath(prefix)

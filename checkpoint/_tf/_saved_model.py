@@ -23,12 +23,10 @@ from google.protobuf.message import DecodeError
 
 from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError
-from checkpoint._storage import BundleReader
+from checkpoint._storage import SAVED_MODEL_FILE, VARIABLES_PREFIX, BundleReader
 
 __all__ = ["SavedModelContents", "SavedNode", "SignatureSpec", "TensorSpec", "read_saved_model"]
 
-SAVED_MODEL_FILE = "saved_model.pb"
-VARIABLES_PREFIX = os.path.join("variables", "variables")
 ASSETS_DIR = "assets"
 INIT_OP_SIGNATURE = "__saved_model_init_op"  # TF's internal initializer "signature"; not one a caller can run
 
@@ -136,46 +134,25 @@ def read_saved_model(path: str | os.PathLike, tags: str | tuple[str, ...] | None
     if not graph.nodes:
         hint = (f"its variables are a name-based checkpoint: read them with checkpoint.read_checkpoint({prefix!r})"
                 if has_variables else "it holds no variables either")
-        raise CheckpointFormatError(
-            f"{pb_path}: the MetaGraphDef has no object graph (a TF1 SavedModel, written by SavedModelBuilder); "
-            f"only TF2 SavedModels (tf.saved_model.save, Keras's model.export) are read: {hint}"
-        )
+        raise CheckpointFormatError(f"{pb_path}: the MetaGraphDef has no object graph (a TF1 SavedModel, written by "
+                                    "SavedModelBuilder); only TF2 SavedModels (tf.saved_model.save, Keras's "
+                                    f"model.export) are read: {hint}")
     paths = _paths(graph.nodes, pb_path)
     assets_dir = os.path.join(directory, ASSETS_DIR)
-    nodes, asset_paths = [], {}
-    for i, node in enumerate(graph.nodes):
-        nodes.append(_node(i, node, paths.get(i), meta, assets_dir, pb_path))
-        if nodes[-1].asset_path is not None and nodes[-1].path is not None:
-            asset_paths[nodes[-1].path] = nodes[-1].asset_path
-    variable_nodes = [n for n in nodes if n.kind == "variable" and n.path is not None]
-    values: dict[str, np.ndarray] = {}
-    if variable_nodes:
-        if not has_variables:
-            raise CheckpointFormatError(
-                f"{pb_path}: the object graph has {len(variable_nodes)} variables but {prefix}.index is missing; "
-                "copy the SavedModel's variables/ directory with it"
-            )
-        values = _read_values(prefix, variable_nodes)
-    signatures = {
-        name: _signature(name, sig, pb_path)
-        for name, sig in sorted(meta.signature_def.items())
-        if name != INIT_OP_SIGNATURE
-    }
+    nodes = tuple(_node(i, node, paths.get(i), meta, assets_dir, pb_path) for i, node in enumerate(graph.nodes))
+    variable_nodes = {n.path: n for n in nodes if n.kind == "variable" and n.path is not None}
+    if variable_nodes and not has_variables:
+        raise CheckpointFormatError(f"{pb_path}: the object graph has {len(variable_nodes)} variables but "
+                                    f"{prefix}.index is missing; copy the SavedModel's variables/ directory with it")
+    values = _read_values(prefix, variable_nodes) if variable_nodes else {}
+    signatures = {name: SignatureSpec(name=name, method_name=sig.method_name, inputs=_specs(sig.inputs),
+                                      outputs=_specs(sig.outputs))
+                  for name, sig in sorted(meta.signature_def.items()) if name != INIT_OP_SIGNATURE}
     return SavedModelContents(
-        path=directory,
-        tags=tuple(meta.meta_info_def.tags),
-        tensorflow_version=meta.meta_info_def.tensorflow_version,
-        nodes=tuple(nodes),
-        variables=values,
-        signatures=signatures,
-        assets=asset_paths,
-        variables_prefix=prefix if has_variables else None,
-    )
-
-
-def is_saved_model(path: str | os.PathLike) -> bool:
-    """True for a directory holding a ``saved_model.pb`` (checked without reading it)."""
-    return os.path.isfile(os.path.join(os.fspath(path), SAVED_MODEL_FILE))
+        path=directory, tags=tuple(meta.meta_info_def.tags), tensorflow_version=meta.meta_info_def.tensorflow_version,
+        nodes=nodes, variables=values, signatures=signatures,
+        assets={n.path: n.asset_path for n in nodes if n.asset_path is not None and n.path is not None},
+        variables_prefix=prefix if has_variables else None)
 
 
 def _directory(path) -> str:
@@ -184,18 +161,14 @@ def _directory(path) -> str:
     path = os.fspath(path)
     if os.path.basename(path) == SAVED_MODEL_FILE and os.path.isfile(path):
         path = os.path.dirname(path) or "."
-    if is_saved_model(path):
+    if os.path.isfile(os.path.join(path, SAVED_MODEL_FILE)):
         return path
     if os.path.isfile(os.path.join(path, "saved_model.pbtxt")):
-        raise CheckpointFormatError(
-            f"{path}: holds saved_model.pbtxt (the text format), which this reader does not read; save the "
-            "model again without as_text=True to get saved_model.pb"
-        )
+        raise CheckpointFormatError(f"{path}: holds saved_model.pbtxt (the text format), which this reader does not "
+                                    "read; save the model again without as_text=True to get saved_model.pb")
     if os.path.isdir(path):
-        raise FileNotFoundError(
-            f"No SavedModel in directory {path}: expected a {SAVED_MODEL_FILE} file (written by "
-            "tf.saved_model.save or Keras's model.export)."
-        )
+        raise FileNotFoundError(f"No SavedModel in directory {path}: expected a {SAVED_MODEL_FILE} file (written by "
+                                "tf.saved_model.save or Keras's model.export).")
     raise FileNotFoundError(f"No SavedModel at {path}: expected a directory holding {SAVED_MODEL_FILE}.")
 
 
@@ -205,47 +178,36 @@ def _meta_graph(pb_path: str, tags):
     with open(pb_path, "rb") as f:
         data = f.read()
     try:
-        saved = saved_model_pb2.SavedModel.FromString(data)
+        metas = list(saved_model_pb2.SavedModel.FromString(data).meta_graphs)
     except DecodeError:
-        raise CheckpointFormatError(
-            f"{pb_path}: not a valid SavedModel protocol buffer (truncated or corrupt); copy it again from its "
-            "source"
-        ) from None
-    metas = list(saved.meta_graphs)
+        raise CheckpointFormatError(f"{pb_path}: not a valid SavedModel protocol buffer (truncated or corrupt); copy "
+                                    "it again from its source") from None
     if not metas:
         raise CheckpointFormatError(f"{pb_path}: the SavedModel holds no MetaGraphDef")
+    if tags is None and len(metas) == 1:
+        return metas[0]
+    wanted = ["serve"] if tags is None else sorted([tags] if isinstance(tags, str) else tags)
     tag_sets = [sorted(m.meta_info_def.tags) for m in metas]
-    if tags is None:
-        if len(metas) == 1:
-            return metas[0]
-        wanted = ["serve"]
-    else:
-        wanted = sorted([tags] if isinstance(tags, str) else tags)
-    for meta, tag_set in zip(metas, tag_sets, strict=True):
-        if tag_set == wanted:
-            return meta
-    raise ValueError(
-        f"{pb_path}: no MetaGraphDef tagged {wanted}; the SavedModel has {tag_sets}. Pass one of those as tags=."
-    )
+    if wanted not in tag_sets:
+        raise ValueError(f"{pb_path}: no MetaGraphDef tagged {wanted}; the SavedModel has {tag_sets}. Pass one of "
+                         "those as tags=.")
+    return metas[tag_sets.index(wanted)]
 
 
 def _check_ref(node_id: int, count: int, pb_path: str, where: str) -> None:
     if not 0 <= node_id < count:
-        raise CheckpointFormatError(
-            f"{pb_path}: {where} refers to node {node_id}, but the object graph has {count} nodes"
-        )
+        raise CheckpointFormatError(f"{pb_path}: {where} refers to node {node_id}, but the object graph has {count} "
+                                    "nodes")
 
 
 def _paths(nodes, pb_path: str) -> dict[int, str]:
     """Each node's first breadth-first path (TF's rule for checkpoint keys), then slot variables' paths."""
     paths, queue = {0: ""}, [0]
-    while queue:
-        i = queue.pop(0)
+    for i in queue:  # grows as the walk goes: breadth first
         for ref in nodes[i].children:
             _check_ref(ref.node_id, len(nodes), pb_path, f"a child {ref.local_name!r} of node {i}")
             if ref.node_id not in paths:
-                name = _keys.escape(ref.local_name)
-                paths[ref.node_id] = f"{paths[i]}/{name}" if paths[i] else name
+                paths[ref.node_id] = _keys.child_path(paths[i], ref.local_name)
                 queue.append(ref.node_id)
     for i, node in enumerate(nodes):
         for ref in node.slot_variables:
@@ -258,20 +220,17 @@ def _paths(nodes, pb_path: str) -> dict[int, str]:
 
 
 def _dtype(enum: int) -> np.dtype | None:
-    if enum == _dtypes.STRING_ENUM:
-        return np.dtype(object)
-    return _dtypes.BY_ENUM.get(enum)  # None for DT_INVALID (e.g. the init op's NoOp) and types numpy lacks
+    # None for DT_INVALID (e.g. the init op's NoOp) and types numpy lacks
+    return np.dtype(object) if enum == _dtypes.STRING_ENUM else _dtypes.BY_ENUM.get(enum)
 
 
 def _shape(proto) -> tuple[int | None, ...] | None:
-    if proto.unknown_rank:
-        return None
-    return tuple(d.size if d.size >= 0 else None for d in proto.dim)
+    return None if proto.unknown_rank else tuple(d.size if d.size >= 0 else None for d in proto.dim)
 
 
 def _node(i: int, node, path: str | None, meta, assets_dir: str, pb_path: str) -> SavedNode:
     kind = node.WhichOneof("kind") or ""
-    children = {}
+    children: dict[str, int] = {}
     for ref in node.children:
         children.setdefault(ref.local_name, ref.node_id)
     fields: dict = {}
@@ -283,10 +242,8 @@ def _node(i: int, node, path: str | None, meta, assets_dir: str, pb_path: str) -
     elif kind == "asset":
         index = node.asset.asset_file_def_index
         if not 0 <= index < len(meta.asset_file_def):
-            raise CheckpointFormatError(
-                f"{pb_path}: asset node {i} ({path!r}) refers to asset file {index}, but the MetaGraphDef lists "
-                f"{len(meta.asset_file_def)}"
-            )
+            raise CheckpointFormatError(f"{pb_path}: asset node {i} ({path!r}) refers to asset file {index}, but the "
+                                        f"MetaGraphDef lists {len(meta.asset_file_def)}")
         fields["asset_path"] = _asset_file(assets_dir, meta.asset_file_def[index].filename, pb_path, path)
     return SavedNode(id=i, path=path, kind=kind, children=children, **fields)
 
@@ -296,15 +253,11 @@ def _asset_file(assets_dir: str, filename: str, pb_path: str, path: str | None) 
     root = os.path.realpath(assets_dir)
     target = os.path.realpath(os.path.join(assets_dir, filename))
     if not filename or os.path.isabs(filename) or os.path.commonpath([root, target]) != root or target == root:
-        raise CheckpointFormatError(
-            f"{pb_path}: asset {path!r} names file {filename!r}, which is not inside {assets_dir}; an asset must "
-            "be a file under the SavedModel's assets/ directory"
-        )
+        raise CheckpointFormatError(f"{pb_path}: asset {path!r} names file {filename!r}, which is not inside "
+                                    f"{assets_dir}; an asset must be a file under the SavedModel's assets/ directory")
     if not os.path.isfile(target):
-        raise CheckpointFormatError(
-            f"{pb_path}: asset {path!r} file {os.path.join(assets_dir, filename)} is missing; copy the "
-            "SavedModel's assets/ directory with it"
-        )
+        raise CheckpointFormatError(f"{pb_path}: asset {path!r} file {os.path.join(assets_dir, filename)} is missing; "
+                                    "copy the SavedModel's assets/ directory with it")
     return os.path.abspath(os.path.join(assets_dir, filename))
 
 
@@ -312,57 +265,38 @@ def _checkpoint_keys(reader: BundleReader) -> dict[str, str]:
     """Node path -> the key of its VARIABLE_VALUE, from the checkpoint's own object graph."""
     graph = reader.object_graph
     if graph is None:
-        raise CheckpointFormatError(
-            f"{reader.index_path}: the SavedModel's variables checkpoint has no object graph "
-            f"({_keys.OBJECT_GRAPH_KEY}); it was not written by tf.saved_model.save"
-        )
+        raise CheckpointFormatError(f"{reader.index_path}: the SavedModel's variables checkpoint has no object graph "
+                                    f"({_keys.OBJECT_GRAPH_KEY}); it was not written by tf.saved_model.save")
     paths = _paths(graph.nodes, reader.index_path)
-    keys = {}
-    for i, node in enumerate(graph.nodes):
-        for attr in node.attributes:
-            if attr.name == _keys.VARIABLE_VALUE and i in paths:
-                keys[paths[i]] = attr.checkpoint_key
-    return keys
+    return {paths[i]: attr.checkpoint_key for i, node in enumerate(graph.nodes) for attr in node.attributes
+            if attr.name == _keys.VARIABLE_VALUE and i in paths}
 
 
-def _read_values(prefix: str, variable_nodes: list[SavedNode]) -> dict[str, np.ndarray]:
-    reader = BundleReader(prefix)
-    try:
+def _read_values(prefix: str, variable_nodes: dict[str, SavedNode]) -> dict[str, np.ndarray]:
+    with BundleReader(prefix) as reader:
         keys = _checkpoint_keys(reader)
         values = {}
-        for node in variable_nodes:
-            key = keys.get(node.path)
+        for path, node in variable_nodes.items():
+            key = keys.get(path)
             if key is None or key not in reader:
-                raise CheckpointFormatError(
-                    f"{reader.index_path}: no value for variable {node.name!r} at path {node.path!r} of the "
-                    "SavedModel's object graph; the variables/ directory belongs to another SavedModel or is "
-                    "incomplete"
-                )
+                raise CheckpointFormatError(f"{reader.index_path}: no value for variable {node.name!r} at path "
+                                            f"{node.path!r} of the SavedModel's object graph; the variables/ "
+                                            "directory belongs to another SavedModel or is incomplete")
             value = reader.get(key)
             if (node.dtype is not None and value.dtype != node.dtype) or (
-                node.shape is not None and not _shape_fits(value.shape, node.shape)
-            ):
+                    node.shape is not None and not _shape_fits(value.shape, node.shape)):
                 raise CheckpointFormatError(
                     f"{reader.index_path}: key {key!r} holds {value.dtype}{list(value.shape)}, but the SavedModel "
-                    f"declares variable {node.name!r} ({node.path!r}) as {node.dtype}{list(node.shape or ())}"
-                )
-            values[node.path] = value
+                    f"declares variable {node.name!r} ({node.path!r}) as {node.dtype}{list(node.shape or ())}")
+            values[path] = value
         return values
-    finally:
-        reader.close()
 
 
 def _shape_fits(shape: tuple[int, ...], declared: tuple[int | None, ...]) -> bool:
     return len(shape) == len(declared) and all(d is None or d == s for s, d in zip(shape, declared, strict=True))
 
 
-def _spec(info) -> TensorSpec:
-    encoding = info.WhichOneof("encoding") or "name"
-    return TensorSpec(dtype=_dtype(info.dtype), shape=_shape(info.tensor_shape), tensor=info.name, encoding=encoding)
-
-
-def _signature(name: str, sig, pb_path: str) -> SignatureSpec:
-    def specs(entries: Mapping) -> dict[str, TensorSpec]:
-        return {k: _spec(v) for k, v in sorted(entries.items())}
-
-    return SignatureSpec(name=name, method_name=sig.method_name, inputs=specs(sig.inputs), outputs=specs(sig.outputs))
+def _specs(entries: Mapping) -> dict[str, TensorSpec]:
+    """A signature's inputs or outputs (TensorInfo protos by name) as TensorSpecs, sorted by name."""
+    return {k: TensorSpec(dtype=_dtype(v.dtype), shape=_shape(v.tensor_shape), tensor=v.name,
+                          encoding=v.WhichOneof("encoding") or "name") for k, v in sorted(entries.items())}

@@ -44,14 +44,9 @@ written.
 (Array(6., dtype=float32), Array(0., dtype=float32))
 """
 
-from checkpoint.keras._read import BUILTIN_WEIGHT_NAMES, KerasWeights, LayerLayout
-from checkpoint.keras._weights import (
-    assign_weights,
-    load_optimizer_state,
-    load_weights,
-    save_optimizer_state,
-    save_weights,
-)
+from checkpoint.keras._optimizer import load_optimizer_state, save_optimizer_state
+from checkpoint.keras._read import BUILTIN_WEIGHT_NAMES, KerasWeights, LayerLayout, load_weights
+from checkpoint.keras._weights import assign_weights, save_weights
 
 __all__ = [
     "BUILTIN_WEIGHT_NAMES",

@@ -1,14 +1,17 @@
-"""Reading Keras weights files for `checkpoint.keras`: the HDF5 and TF-checkpoint readers and the result type.
+"""Reading Keras weights for `checkpoint.keras`: `load_weights`, its HDF5 and TF-checkpoint readers, the result type.
 
-Split from `keras.py` (the public verbs) so each stays readable; see that module's docstring for the formats.
+See `checkpoint.keras`'s docstring for the formats.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import os
 import re
 import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import varstate
-from checkpoint import _dtypes, _keys
+from checkpoint import _dtypes, _keys, _storage
 from checkpoint._errors import CheckpointFormatError
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -70,6 +73,10 @@ class LayerLayout(NamedTuple):
     Keras 3 ``.weights.h5`` (``""`` for the model; None when the source was
     not one), `weights` its weight names in the order Keras stores them and
     `shapes` / `dtypes` theirs as read.
+
+    >>> from checkpoint.keras import LayerLayout
+    >>> LayerLayout(("dense",), "dense", "layers/dense", ("kernel", "bias")).weights
+    ('kernel', 'bias')
     """
 
     path: tuple[str, ...]
@@ -115,12 +122,7 @@ def _unflatten(aux, children) -> KerasWeights:
     return KerasWeights(zip(keys, children, strict=True), layout=layout, source=source)
 
 
-def _flatten(w: KerasWeights):
-    return tuple(w.values()), (tuple(w), w.layout, w.source)
-
-
-jax.tree_util.register_pytree_with_keys(KerasWeights, _flatten_with_keys, _unflatten, flatten_func=_flatten)
-
+jax.tree_util.register_pytree_with_keys(KerasWeights, _flatten_with_keys, _unflatten)
 
 
 def _h5py():
@@ -144,32 +146,25 @@ def _is_hdf5(path: str) -> bool:
     return False
 
 
-class _open_archive:  # noqa: N801 (a context manager used like open())
+@contextlib.contextmanager
+def _open_archive(path: str) -> Iterator[Any]:
     """The weights HDF5 inside a .keras archive, opened from memory (nothing is extracted to disk)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __enter__(self):
-        h5py = _h5py()
-        with zipfile.ZipFile(self.path) as z:
-            if _KERAS_ARCHIVE_WEIGHTS not in z.namelist():
-                raise CheckpointFormatError(
-                    f"{self.path}: a zip archive without {_KERAS_ARCHIVE_WEIGHTS}; a .keras file written by "
-                    f"model.save holds its weights there (found: {sorted(z.namelist())[:10]})"
-                )
-            info = z.getinfo(_KERAS_ARCHIVE_WEIGHTS)
-            if info.file_size > _BOMB_FLOOR_BYTES and info.file_size > _BOMB_MAX_RATIO * info.compress_size:
-                raise CheckpointFormatError(
-                    f"{self.path}: {_KERAS_ARCHIVE_WEIGHTS} expands from {info.compress_size} to {info.file_size} "
-                    "bytes; refusing to expand it (a damaged or crafted archive)"
-                )
-            data = z.read(_KERAS_ARCHIVE_WEIGHTS)
-        self.file = h5py.File(io.BytesIO(data), "r")
-        return self.file
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()
+    h5py = _h5py()
+    with zipfile.ZipFile(path) as z:
+        if _KERAS_ARCHIVE_WEIGHTS not in z.namelist():
+            raise CheckpointFormatError(
+                f"{path}: a zip archive without {_KERAS_ARCHIVE_WEIGHTS}; a .keras file written by "
+                f"model.save holds its weights there (found: {sorted(z.namelist())[:10]})"
+            )
+        info = z.getinfo(_KERAS_ARCHIVE_WEIGHTS)
+        if info.file_size > _BOMB_FLOOR_BYTES and info.file_size > _BOMB_MAX_RATIO * info.compress_size:
+            raise CheckpointFormatError(
+                f"{path}: {_KERAS_ARCHIVE_WEIGHTS} expands from {info.compress_size} to {info.file_size} "
+                "bytes; refusing to expand it (a damaged or crafted archive)"
+            )
+        data = z.read(_KERAS_ARCHIVE_WEIGHTS)
+    with h5py.File(io.BytesIO(data), "r") as f:
+        yield f
 
 
 def _decode(value: Any) -> str:
@@ -211,6 +206,64 @@ def _prune_empty(tree: dict) -> dict:
     return tree
 
 
+# --- the public reader: the format is found from the file itself -------------------------------
+def load_weights(
+    path: str | os.PathLike,
+    *,
+    weight_names: Mapping[str, Sequence[str]] | None = None,
+    node: str | None = None,
+    registry: varstate.Registry | None = None,
+) -> KerasWeights:
+    """Reads a Keras model's weights (any format in the module docstring) as `varstate.Variable`s.
+
+    Returns a `KerasWeights`: layer name -> {weight name -> Variable,
+    sublayer name -> {...}} in Keras's layer order, values bit-exact. A
+    Variable is named by its Keras path relative to the model
+    (``"lstm/lstm_cell/kernel"``) and made in `registry` (default: a new
+    `varstate.Registry`, so that the names are exactly those paths).
+    64-bit values are narrowed as JAX holds them (an int64 out of int32's
+    range raises) unless JAX's 64-bit types are on.
+
+    `weight_names` names the weights of layers a Keras 3 ``.weights.h5``
+    stores by position only: ``{"my_layer": ["w", "b"]}``, keyed by layer
+    name or by the layer's key path (``"block/my_layer"``). `node` is the
+    model's object path in a TF checkpoint holding more than one candidate
+    (default: the root, or its only child that is a Keras model, or
+    ``"model"``).
+
+    >>> import os, tempfile, numpy as np, varstate
+    >>> from checkpoint import keras
+    >>> w = keras.KerasWeights({"dense": {"kernel": varstate.Variable(np.ones((2, 3), np.float32)),
+    ...                                   "bias": varstate.Variable(np.zeros(3, np.float32))}},
+    ...     layout=(keras.LayerLayout((), "model", ""),
+    ...             keras.LayerLayout(("dense",), "dense", "layers/dense", ("kernel", "bias"))))
+    >>> path = keras.save_weights(os.path.join(tempfile.mkdtemp(), "m.weights.h5"), w)
+    >>> back = keras.load_weights(path)
+    >>> back["dense"]["kernel"].name, back["dense"]["kernel"].shape, list(back["dense"])
+    ('dense/kernel', (2, 3), ['kernel', 'bias'])
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"Keras weights path must be a string, got {type(path).__name__} {path!r}.")
+    path = os.fspath(path)
+    registry = varstate.Registry() if registry is None else registry
+    names = {k: tuple(v) for k, v in (weight_names or {}).items()}
+    if os.path.isfile(path) and zipfile.is_zipfile(path):
+        with _open_archive(path) as f:
+            return _Keras3Reader(f, path, names, registry).read()
+    if os.path.isfile(path) and _is_hdf5(path):
+        with _h5py().File(path, "r") as f:
+            if _legacy_root(f) is not None:
+                return _read_legacy(f, path, registry)
+            return _Keras3Reader(f, path, names, registry).read()
+    if os.path.isfile(path) and not path.endswith(".index"):
+        raise CheckpointFormatError(
+            f"{path}: not a Keras weights file: expected an HDF5 file (.weights.h5, .h5), a .keras archive, "
+            "or a TF checkpoint prefix (the path before '.index')"
+        )
+    reader = _storage.open_reader(path)  # FileNotFoundError says what it expected
+    return _read_tf_checkpoint(reader, path, node, registry)
+
+
 # --- Keras 3 .weights.h5 ----------------------------------------------------------------------
 class _Keras3Reader:
     def __init__(self, f, where: str, names: dict[str, tuple[str, ...]], registry) -> None:
@@ -229,9 +282,8 @@ class _Keras3Reader:
         model_name = _decode(root_vars.attrs.get("name", "")) if root_vars is not None else ""
         self._own(root_vars, (), model_name, "", "")
         for name, child in self._groups(self.f, ""):
-            if name in (_VARS, _OPTIMIZER):  # the optimizer's state is not a weight of the model
-                continue
-            self._walk(child, name, ())
+            if name not in (_VARS, _OPTIMIZER):  # the optimizer's state is not a weight of the model
+                self._walk(child, name, ())
         return KerasWeights(_prune_empty(self.tree), layout=tuple(self.layout), source=self.where)
 
     def _child(self, group, name: str, group_path: str):
@@ -247,12 +299,9 @@ class _Keras3Reader:
 
     def _groups(self, group, group_path: str) -> list[tuple[str, Any]]:
         """Subgroups in the order they were written (HDF5 lists names sorted; object addresses grow as written)."""
-        out = []
-        for name in group:
-            child = self._child(group, name, group_path)
-            if isinstance(child, self.h5py.Group):
-                out.append((name, child))
-        return sorted(out, key=lambda nc: self.h5py.h5o.get_info(nc[1].id).addr)
+        children = [(name, self._child(group, name, group_path)) for name in group]
+        groups = [(name, child) for name, child in children if isinstance(child, self.h5py.Group)]
+        return sorted(groups, key=lambda nc: self.h5py.h5o.get_info(nc[1].id).addr)
 
     def _walk(self, group, group_path: str, parent: tuple[str, ...]) -> None:
         if group_path.count("/") >= _MAX_DEPTH:
@@ -287,15 +336,12 @@ class _Keras3Reader:
                 )
             datasets = [self._dataset(vars_group, str(i), f"{group_path}/vars") for i in range(len(keys))]
         names = self._weight_names(path, layer_name, group_name, len(datasets), group_path)
-        if path:
-            self._tree_node(path)
-        shapes, dtypes = [], []
+        self._tree_node(path)
+        key = f"{self.where}:{group_path}/vars"
         for name, value in zip(names, datasets, strict=True):
-            key = f"{self.where}:{group_path}/vars"
             _insert(self.tree, (*path, name), _variable(value, (*path, name), self.registry, key), self.where)
-            shapes.append(tuple(value.shape))
-            dtypes.append(value.dtype.name)
-        self.layout.append(LayerLayout(path, layer_name, group_path, tuple(names), tuple(shapes), tuple(dtypes)))
+        self.layout.append(LayerLayout(path, layer_name, group_path, tuple(names),
+                                       tuple(tuple(v.shape) for v in datasets), tuple(v.dtype.name for v in datasets)))
 
     def _tree_node(self, path: tuple[str, ...]) -> None:
         """Puts an (empty) dict for the layer at `path` now, so that layers keep the order they were written in."""
@@ -316,9 +362,7 @@ class _Keras3Reader:
                         f"stores {count} weights: give {count} distinct names"
                     )
                 return names
-        if count == 0:
-            return ()
-        for key in (group_name, layer_name):
+        for key in (group_name, layer_name):  # no table has a count of 0: a layer without weights gets ()
             known = BUILTIN_WEIGHT_NAMES.get(re.sub(r"_\d+$", "", key), {}).get(count)
             if known:
                 return known
@@ -347,11 +391,7 @@ def _read_dataset(ds, where: str) -> np.ndarray:
             "file). Rewrite the weights without compression."
         )
     value = np.asarray(ds[()])
-    if bf16:
-        import ml_dtypes
-
-        value = value.view(ml_dtypes.bfloat16)
-    return value
+    return value.view(jnp.bfloat16) if bf16 else value
 
 
 # --- Keras 2 legacy HDF5 ------------------------------------------------------------------------
@@ -368,12 +408,11 @@ def _read_legacy(f, where: str, registry) -> KerasWeights:
     h5py = _h5py()
     root = _legacy_root(f)
     tree: dict = {}
-    layout = []
+    layout: dict[tuple[str, ...], list[str]] = {}
     for layer_name in (_decode(n) for n in root.attrs["layer_names"]):
         if layer_name not in root:
             raise CheckpointFormatError(f"{where}: layer {layer_name!r} is listed in layer_names but has no group")
         group = root[layer_name]
-        sub_layouts: dict[tuple[str, ...], list[str]] = {}
         for weight in (_decode(n) for n in group.attrs.get("weight_names", [])):
             parts = weight.removesuffix(":0").split("/")
             # A Keras 2 weight name starts with its layer's name ("lstm/lstm_cell/kernel:0"), after any
@@ -390,10 +429,14 @@ def _read_legacy(f, where: str, registry) -> KerasWeights:
                 raise CheckpointFormatError(f"{where}: {layer_name}/{weight} is not a dataset stored in this file")
             value = _read_dataset(ds, f"{where}: {layer_name}/{weight}")
             _insert(tree, path, _variable(value, path, registry, f"{where}:{layer_name}/{weight}"), where)
-            sub_layouts.setdefault(path[:-1], []).append(path[-1])
-        for sub, weights in sub_layouts.items():
-            layout.append(LayerLayout(sub, sub[-1], None, tuple(weights)))
-    return KerasWeights(tree, layout=tuple(layout), source=where)
+            layout.setdefault(path[:-1], []).append(path[-1])
+    return _without_groups(tree, layout, where)
+
+
+def _without_groups(tree: dict, layout: dict[tuple[str, ...], list[str]], where: str) -> KerasWeights:
+    """Weights read from a file that is not a Keras 3 one: each layer's weight names in the order read, no group."""
+    return KerasWeights(tree, layout=tuple(LayerLayout(p, p[-1], None, tuple(w)) for p, w in layout.items()),
+                        source=where)
 
 
 # --- TF checkpoints of Keras models ------------------------------------------------------------
@@ -408,8 +451,10 @@ _NOT_LAYERS = frozenset({
 
 
 class _Graph:
-    def __init__(self, graph, where: str) -> None:
-        self.nodes, self.where = graph.nodes, where
+    """A TF checkpoint's object graph, walked by local names; every child reference is checked on the way."""
+
+    def __init__(self, reader, where: str) -> None:
+        self.reader, self.nodes, self.where = reader, reader.object_graph.nodes, where
 
     def children(self, i: int) -> list[tuple[str, int]]:
         out = []
@@ -422,8 +467,29 @@ class _Graph:
             out.append((ref.local_name, ref.node_id))
         return out
 
+    def named(self, i: int) -> dict[str, int]:
+        return dict(self.children(i))
+
+    def find(self, path: str, missing: Callable[[str, list[str]], Exception]) -> int:
+        """The node at `path` (local names joined by '/'); raises `missing(part, its siblings' names)` if absent."""
+        i = 0
+        for part in [p for p in path.split("/") if p]:
+            kids = self.children(i)
+            found = dict(kids).get(part)
+            if found is None:
+                raise missing(part, [n for n, _ in kids])
+            i = found
+        return i
+
     def value(self, i: int):
         return next((a for a in self.nodes[i].attributes if a.name == _keys.VARIABLE_VALUE), None)
+
+    def read(self, i: int, path: str) -> tuple[np.ndarray, str]:
+        """The value and full name of the variable at node `i` (`path` names it in the error if it is none)."""
+        attr = self.value(i)
+        if attr is None:
+            raise CheckpointFormatError(f"{self.where}: {path} is not a variable (it has no VARIABLE_VALUE)")
+        return self.reader.get(attr.checkpoint_key), attr.full_name
 
     def is_list(self, i: int) -> bool:
         kids = self.children(i)
@@ -433,59 +499,50 @@ class _Graph:
 def _is_model(g: _Graph, i: int) -> bool:
     names = {n for n, _ in g.children(i)}
     return bool(names & {"_operations", "_functional", "_layers"}) or any(
-        _LAYER_WITH_WEIGHTS.fullmatch(n) or _LAYER.fullmatch(n) for n in names
-    )
+        _LAYER_WITH_WEIGHTS.fullmatch(n) or _LAYER.fullmatch(n) for n in names)
 
 
 def _find_model(g: _Graph, node: str | None) -> tuple[int, str]:
     if node is not None:
-        i = 0
-        for part in [p for p in node.split("/") if p]:
-            found = dict(g.children(i)).get(part)
-            if found is None:
-                raise ValueError(
-                    f"{g.where}: no object {node!r} in the checkpoint (at {part!r}, the children are "
-                    f"{sorted(n for n, _ in g.children(i))})"
-                )
-            i = found
+        i = g.find(node, lambda part, names: ValueError(
+            f"{g.where}: no object {node!r} in the checkpoint (at {part!r}, the children are {sorted(names)})"))
         return i, node
     if _is_model(g, 0):
         return 0, ""
     kids = [(n, j) for n, j in g.children(0) if n not in (_OPTIMIZER, _keys.SAVE_COUNTER) and _is_model(g, j)]
     if len(kids) == 1:
         return kids[0][1], kids[0][0]
-    if any(n == "model" for n, _ in kids):
-        return dict(kids)["model"], "model"
-    if kids:
+    if kids and "model" not in dict(kids):
         raise ValueError(
             f"{g.where}: several Keras models in the checkpoint ({sorted(n for n, _ in kids)}); pick one with "
             "load_weights(node=...)"
         )
-    # No layer lists anywhere: a subclassed model (its layers are attributes), at the root or under 'model'.
-    named = dict(g.children(0))
-    if "model" in named:
-        return named["model"], "model"
-    return 0, ""
+    # One of several models is 'model'; or no layer lists anywhere: a subclassed model (its layers are
+    # attributes), at the root or under 'model'.
+    model = g.named(0).get("model")
+    return (0, "") if model is None else (model, "model")
+
+
+def _numbered(kids: list[tuple[str, int]], pattern: re.Pattern) -> list[tuple[str, int]]:
+    """The children whose name is `pattern` with a number, by that number."""
+    numbered = sorted(((int(m[1]), n, j) for n, j in kids if (m := pattern.fullmatch(n))), key=lambda t: t[0])
+    return [(n, j) for _, n, j in numbered]
 
 
 def _layers(g: _Graph, model: int) -> tuple[list[tuple[str, int]], bool]:
     """The model's layers in Keras's order, and whether they came from a layer list (else: attributes)."""
     kids = g.children(model)
     by_name = dict(kids)
-    numbered = sorted(
-        ((int(m[1]), n, j) for n, j in kids if (m := _LAYER_WITH_WEIGHTS.fullmatch(n))), key=lambda t: t[0]
-    )
-    if numbered:  # tf-keras Functional/Sequential: its layers with weights, numbered in order
-        return [(n, j) for _, n, j in numbered], True
+    if numbered := _numbered(kids, _LAYER_WITH_WEIGHTS):  # tf-keras Functional/Sequential: layers with weights
+        return numbered, True
     if "_functional" in by_name:  # Keras 3 Sequential: the Functional it builds
         return _layers(g, by_name["_functional"])
     for listed in ("_operations", "_layers"):  # Keras 3 Functional
         if listed in by_name:
             return sorted(g.children(by_name[listed]), key=lambda nj: int(nj[0]) if nj[0].isdigit() else -1), True
-    numbered = sorted(((int(m[1]), n, j) for n, j in kids if (m := _LAYER.fullmatch(n))), key=lambda t: t[0])
-    if numbered:
-        return [(n, j) for _, n, j in numbered], True
-    layers = []
+    if numbered := _numbered(kids, _LAYER):
+        return numbered, True
+    layers: list[tuple[str, int]] = []
     for n, j in kids:
         if n in _NOT_LAYERS:
             continue
@@ -503,7 +560,7 @@ def _collect(g: _Graph, layer: int, seen: set[int]) -> list:
     crafted deep graph cannot exhaust Python's stack.
     """
     out = []
-    stack = [(iter(g.children(layer)), 0, ())]
+    stack: list[tuple[Iterator[tuple[str, int]], int, tuple[str, ...]]] = [(iter(g.children(layer)), 0, ())]
     while stack:
         children, hops, local = stack[-1]
         step = next(children, None)
@@ -534,7 +591,7 @@ def _read_tf_checkpoint(reader, where: str, node: str | None, registry) -> Keras
             f"{where}: a name-based checkpoint (no object graph), not one Keras writes; read its values with "
             "checkpoint.read_checkpoint"
         )
-    g = _Graph(graph, where)
+    g = _Graph(reader, where)
     model, model_path = _find_model(g, node)
     layers, listed = _layers(g, model)
     seen = {model, *(j for _, j in layers)}
@@ -555,8 +612,7 @@ def _read_tf_checkpoint(reader, where: str, node: str | None, registry) -> Keras
             else:
                 # Subclassed models: the checkpoint does not record layer names reliably; use attribute names.
                 path = (*local_name.split("/"), *(p.lstrip("_") for p in local[:-1]), weight)
-            value = reader.get(attr.checkpoint_key)
-            _insert(tree, path, _variable(value, path, registry, attr.checkpoint_key), where)
+            _insert(tree, path, _variable(reader.get(attr.checkpoint_key), path, registry, attr.checkpoint_key), where)
             layout.setdefault(path[:-1], []).append(path[-1])
             found.add(j)
     _check_nothing_hidden(g, model, found, model_path)
@@ -565,15 +621,13 @@ def _read_tf_checkpoint(reader, where: str, node: str | None, registry) -> Keras
             f"{where}: no layer weights found under {model_path or 'the root'!r} of the object graph; it is not a "
             "checkpoint of a Keras model"
         )
-    return KerasWeights(
-        tree, layout=tuple(LayerLayout(p, p[-1], None, tuple(w)) for p, w in layout.items()), source=where
-    )
+    return _without_groups(tree, layout, where)
 
 
 def _check_nothing_hidden(g: _Graph, model: int, found: set[int], model_path: str) -> None:
     """Raises if the model's optimizer tracks trainable variables that no layer reached (they would be lost)."""
-    opt = dict(g.children(model)).get(_OPTIMIZER)
-    trainable = dict(g.children(opt)).get("_trainable_variables") if opt is not None else None
+    opt = g.named(model).get(_OPTIMIZER)
+    trainable = g.named(opt).get("_trainable_variables") if opt is not None else None
     if trainable is None:
         return
     missed = [j for _, j in g.children(trainable) if g.value(j) is not None and j not in found]

@@ -1,9 +1,8 @@
-"""Keras weights and optimizer state: the public functions of `checkpoint.keras`."""
+"""Writing Keras weights (`save_weights`) and putting them into a model's pytree (`assign_weights`)."""
 
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -12,81 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import varstate
-from checkpoint import _dtypes, _storage
-from checkpoint._errors import CheckpointFormatError
-from checkpoint._storage._files import sync_file
-from checkpoint.keras import _optimizer as _keras_optimizer
-from checkpoint.keras._read import (
-    _VARS,
-    KerasWeights,
-    LayerLayout,
-    _h5py,
-    _is_hdf5,
-    _Keras3Reader,
-    _legacy_root,
-    _open_archive,
-    _read_legacy,
-    _read_tf_checkpoint,
-)
-
-
-# --- loading ----------------------------------------------------------------------------------
-def load_weights(
-    path: str | os.PathLike,
-    *,
-    weight_names: Mapping[str, Sequence[str]] | None = None,
-    node: str | None = None,
-    registry: varstate.Registry | None = None,
-) -> KerasWeights:
-    """Reads a Keras model's weights (any format in the module docstring) as `varstate.Variable`s.
-
-    Returns a `KerasWeights`: layer name -> {weight name -> Variable,
-    sublayer name -> {...}} in Keras's layer order, values bit-exact. A
-    Variable is named by its Keras path relative to the model
-    (``"lstm/lstm_cell/kernel"``) and made in `registry` (default: a new
-    `varstate.Registry`, so that the names are exactly those paths).
-    64-bit values are narrowed as JAX holds them (an int64 out of int32's
-    range raises) unless JAX's 64-bit types are on.
-
-    `weight_names` names the weights of layers a Keras 3 ``.weights.h5``
-    stores by position only: ``{"my_layer": ["w", "b"]}``, keyed by layer
-    name or by the layer's key path (``"block/my_layer"``). `node` is the
-    model's object path in a TF checkpoint holding more than one candidate
-    (default: the root, or its only child that is a Keras model, or
-    ``"model"``).
-
-    >>> import os, tempfile, numpy as np, varstate
-    >>> from checkpoint import keras
-    >>> w = keras.KerasWeights({"dense": {"kernel": varstate.Variable(np.ones((2, 3), np.float32)),
-    ...                                   "bias": varstate.Variable(np.zeros(3, np.float32))}},
-    ...     layout=(keras.LayerLayout((), "model", ""),
-    ...             keras.LayerLayout(("dense",), "dense", "layers/dense", ("kernel", "bias"))))
-    >>> path = keras.save_weights(os.path.join(tempfile.mkdtemp(), "m.weights.h5"), w)
-    >>> back = keras.load_weights(path)
-    >>> back["dense"]["kernel"].name, back["dense"]["kernel"].shape, list(back["dense"])
-    ('dense/kernel', (2, 3), ['kernel', 'bias'])
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"Keras weights path must be a string, got {type(path).__name__} {path!r}.")
-    path = os.fspath(path)
-    registry = varstate.Registry() if registry is None else registry
-    names = {k: tuple(v) for k, v in (weight_names or {}).items()}
-    if os.path.isfile(path) and zipfile.is_zipfile(path):
-        with _open_archive(path) as f:
-            return _Keras3Reader(f, path, names, registry).read()
-    if os.path.isfile(path) and _is_hdf5(path):
-        h5py = _h5py()
-        with h5py.File(path, "r") as f:
-            if _legacy_root(f) is not None:
-                return _read_legacy(f, path, registry)
-            return _Keras3Reader(f, path, names, registry).read()
-    if os.path.isfile(path) and not path.endswith(".index"):
-        raise CheckpointFormatError(
-            f"{path}: not a Keras weights file: expected an HDF5 file (.weights.h5, .h5), a .keras archive, "
-            "or a TF checkpoint prefix (the path before '.index')"
-        )
-    reader = _storage.open_reader(path)  # FileNotFoundError says what it expected
-    return _read_tf_checkpoint(reader, path, node, registry)
+from checkpoint import _dtypes
+from checkpoint._storage._files import replacing
+from checkpoint.keras._optimizer import h5_values
+from checkpoint.keras._read import _VARS, KerasWeights, LayerLayout, _h5py, load_weights
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -137,12 +65,8 @@ def save_weights(
         )
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a dict of layers (as load_weights returns), got {type(weights).__name__}.")
-    if like is not None:
-        layout = load_weights(like).layout if not isinstance(like, KerasWeights) else like.layout
-        source = os.fspath(like) if not isinstance(like, KerasWeights) else like.source
-    else:
-        layout = getattr(weights, "layout", ())
-        source = getattr(weights, "source", "")
+    known = weights if like is None else like if isinstance(like, KerasWeights) else load_weights(like)
+    layout, source = getattr(known, "layout", ()), getattr(known, "source", "")
     if not layout or any(lay.group is None for lay in layout):
         raise ValueError(
             "save_weights needs Keras's file layout for these weights (which HDF5 group holds each layer): "
@@ -151,40 +75,29 @@ def save_weights(
             + "pass like=<a .weights.h5 or .keras file Keras wrote for the same model>"
         )
     planned = _plan(weights, layout, source)
-    opt_values = None
     if (optimizer is None) != (optimizer_state is None):
         raise ValueError("save_weights writes optimizer state from both optimizer= and optimizer_state=; pass both")
-    if optimizer is not None:
-        opt_values = _keras_optimizer.h5_values(optimizer, weights, optimizer_state)
-    h5py = _h5py()
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        # Compact groups (HDF5 >= 1.8 format): files a third the size of h5py's default, read by any h5py.
-        with h5py.File(tmp, "w", libver=("v108", "latest")) as f:
-            for lay, values in planned:
-                group = f.create_group(f"{lay.group}/{_VARS}" if lay.group else _VARS)
-                group.attrs["name"] = lay.name
-                for i, value in enumerate(values):
-                    ds = group.create_dataset(str(i), data=value, track_times=False)
-                    if value.dtype.name == "bfloat16":  # stored as 2 opaque bytes; Keras reads it back by this mark
-                        ds.attrs["dtype"] = "bfloat16"
-            if opt_values is not None:
-                group = f.create_group(f"optimizer/{_VARS}")
-                group.attrs["name"] = opt_values[0]
-                for i, value in enumerate(opt_values[1]):
-                    group.create_dataset(str(i), data=value, track_times=False)
-        with open(tmp, "rb+") as f:
-            sync_file(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    opt_values = None if optimizer is None else h5_values(optimizer, weights, optimizer_state)
+    # Compact groups (HDF5 >= 1.8 format): files a third the size of h5py's default, read by any h5py.
+    with replacing(path) as (tmp,), _h5py().File(tmp, "w", libver=("v108", "latest")) as f:
+        for lay, values in planned:
+            group = f.create_group(f"{lay.group}/{_VARS}" if lay.group else _VARS)
+            group.attrs["name"] = lay.name
+            for i, value in enumerate(values):
+                ds = group.create_dataset(str(i), data=value, track_times=False)
+                if value.dtype.name == "bfloat16":  # stored as 2 opaque bytes; Keras reads it back by this mark
+                    ds.attrs["dtype"] = "bfloat16"
+        if opt_values is not None:
+            group = f.create_group(f"optimizer/{_VARS}")
+            group.attrs["name"] = opt_values[0]
+            for i, value in enumerate(opt_values[1]):
+                group.create_dataset(str(i), data=value, track_times=False)
     return path
 
 
 def _plan(weights: Mapping, layout: Sequence[LayerLayout], source: str) -> list[tuple[LayerLayout, list[np.ndarray]]]:
     """Every value to write, checked against the layout before anything is written."""
+    of = f" of {source}" if source else ""  # which layout, in the errors
     used: set[tuple[str, ...]] = set()
     planned = []
     for lay in layout:
@@ -194,42 +107,31 @@ def _plan(weights: Mapping, layout: Sequence[LayerLayout], source: str) -> list[
                 if not lay.weights:
                     node = None  # a layer without weights (InputLayer, pooling) need not be given
                     break
-                raise ValueError(
-                    f"weights has no layer {'/'.join(lay.path[: depth + 1])!r}, which the Keras layout"
-                    f"{' of ' + source if source else ''} needs (weights {list(lay.weights)})"
-                )
+                raise ValueError(f"weights has no layer {'/'.join(lay.path[: depth + 1])!r}, which the Keras "
+                                 f"layout{of} needs (weights {list(lay.weights)})")
             node = node[part]
         values = []
         for i, name in enumerate(lay.weights):
             full = (*lay.path, name)
             if not isinstance(node, Mapping) or name not in node:
-                raise ValueError(
-                    f"weights has no {'/'.join(full)!r}, which the Keras layout{' of ' + source if source else ''} "
-                    f"needs (layer {lay.name!r} stores {list(lay.weights)})"
-                )
+                raise ValueError(f"weights has no {'/'.join(full)!r}, which the Keras layout{of} needs (layer "
+                                 f"{lay.name!r} stores {list(lay.weights)})")
             value = _as_numpy(node[name])
             if lay.shapes and value.shape != lay.shapes[i]:
-                raise ValueError(
-                    f"{'/'.join(full)!r} has shape {value.shape}, but the Keras layout"
-                    f"{' of ' + source if source else ''} has {lay.shapes[i]}"
-                )
+                raise ValueError(f"{'/'.join(full)!r} has shape {value.shape}, but the Keras layout{of} has "
+                                 f"{lay.shapes[i]}")
             if lay.dtypes and value.dtype.name != lay.dtypes[i]:
                 want = np.dtype(_dtypes.BY_NAME.get(lay.dtypes[i], lay.dtypes[i]))
                 if _dtypes.held_as(want) != value.dtype:  # only a value JAX narrowed goes back to its stored type
-                    raise ValueError(
-                        f"{'/'.join(full)!r} is {value.dtype}, but the Keras layout"
-                        f"{' of ' + source if source else ''} stores {want}"
-                    )
+                    raise ValueError(f"{'/'.join(full)!r} is {value.dtype}, but the Keras layout{of} stores {want}")
                 value = value.astype(want)
             values.append(value)
             used.add(full)
         planned.append((lay, values))
     for full, _ in _leaves(weights, ()):
         if full not in used:
-            raise ValueError(
-                f"weights has {'/'.join(full)!r}, which the Keras layout{' of ' + source if source else ''} does "
-                "not hold; remove it or pass like= a file of the model it belongs to"
-            )
+            raise ValueError(f"weights has {'/'.join(full)!r}, which the Keras layout{of} does not hold; remove it "
+                             "or pass like= a file of the model it belongs to")
     return planned
 
 
@@ -252,36 +154,16 @@ def _leaves(tree: Mapping, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, .
 
 def _ordered(weights: Mapping) -> list[tuple[tuple[str, ...], Any]]:
     """Weights in Keras's order: the layout's when there is one (jax.tree.map re-sorts plain dicts), else dict order."""
-    layout = getattr(weights, "layout", ())
     leaves = dict(_leaves(weights, ()))
-    out, seen = [], set()
-    for lay in layout:
-        for name in lay.weights:
-            full = (*lay.path, name)
-            if full in leaves and full not in seen:
-                out.append((full, leaves[full]))
-                seen.add(full)
-    out.extend((p, v) for p, v in leaves.items() if p not in seen)
-    return out
+    by_layout = [full for lay in getattr(weights, "layout", ()) for full in ((*lay.path, n) for n in lay.weights)]
+    return [(p, leaves[p]) for p in dict.fromkeys([*(p for p in by_layout if p in leaves), *leaves])]
 
 
 # --- assigning into a model --------------------------------------------------------------------
 def _path_name(path: tuple) -> str:
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    if parts and parts[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
-        parts.pop()  # a varstate or flax nnx Variable's value: the weight is the Variable
-    return "/".join(parts)
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]  # a varstate or flax nnx Variable's value: the weight is the Variable
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def assign_weights(
@@ -325,45 +207,42 @@ def assign_weights(
     leaf_names = [_path_name(p) for p, _ in flat]
     ordered = _ordered(weights)
     by_path = {"/".join(p): v for p, v in ordered}
+    # Each leaf's Keras weight: (its path, its value), or None to leave the leaf unchanged.
+    chosen: list[tuple[str, Any] | None]
     if name_map is not None:
         lookup = name_map.get if isinstance(name_map, Mapping) else name_map
-        pairs = []
-        for name, (_, leaf) in zip(leaf_names, flat, strict=True):
+        chosen = []
+        for name in leaf_names:
             source = lookup(name)
-            if source is None:
-                if strict:
-                    raise ValueError(
-                        f"target leaf {name!r} is not in name_map; map it to a Keras weight (one of "
-                        f"{_some(by_path)}), or pass strict=False to leave it unchanged"
-                    )
-                pairs.append((name, leaf, None, None))
-                continue
-            if source not in by_path:
+            if source is None and strict:
+                raise ValueError(
+                    f"target leaf {name!r} is not in name_map; map it to a Keras weight (one of "
+                    f"{_some(by_path)}), or pass strict=False to leave it unchanged"
+                )
+            if source is not None and source not in by_path:
                 raise ValueError(
                     f"name_map maps target leaf {name!r} to {source!r}, which is not a Keras weight (they are "
                     f"{_some(by_path)})"
                 )
-            pairs.append((name, leaf, source, by_path[source]))
-        if strict:
-            unused = [p for p in by_path if p not in {s for _, _, s, _ in pairs}]
-            if unused:
-                raise ValueError(
-                    f"Keras weight {unused[0]!r} is not assigned to any target leaf ({len(unused)} unused); map it "
-                    "in name_map, or pass strict=False"
-                )
-    elif set(leaf_names) == set(by_path) and len(leaf_names) == len(by_path):
-        pairs = [(name, leaf, name, by_path[name]) for name, (_, leaf) in zip(leaf_names, flat, strict=True)]
-    else:
-        if len(flat) != len(ordered):
+            chosen.append(None if source is None else (source, by_path[source]))
+        assigned = {c[0] for c in chosen if c is not None}
+        unused = [p for p in by_path if p not in assigned]
+        if strict and unused:
             raise ValueError(
-                f"target has {len(flat)} leaves but there are {len(ordered)} Keras weights, and the names differ "
-                f"(target: {_some(leaf_names)}; Keras: {_some(by_path)}): pass a name_map"
+                f"Keras weight {unused[0]!r} is not assigned to any target leaf ({len(unused)} unused); map it "
+                "in name_map, or pass strict=False"
             )
-        pairs = [
-            (name, leaf, "/".join(p), v)
-            for name, (_, leaf), (p, v) in zip(leaf_names, flat, ordered, strict=True)
-        ]
-    new_leaves = [leaf if source is None else _fit(name, leaf, source, value) for name, leaf, source, value in pairs]
+    elif set(leaf_names) == set(by_path) and len(leaf_names) == len(by_path):
+        chosen = [(name, by_path[name]) for name in leaf_names]
+    elif len(flat) != len(ordered):
+        raise ValueError(
+            f"target has {len(flat)} leaves but there are {len(ordered)} Keras weights, and the names differ "
+            f"(target: {_some(leaf_names)}; Keras: {_some(by_path)}): pass a name_map"
+        )
+    else:
+        chosen = [("/".join(p), v) for p, v in ordered]
+    new_leaves = [leaf if c is None else _fit(name, leaf, *c)
+                  for name, (_, leaf), c in zip(leaf_names, flat, chosen, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
@@ -393,101 +272,3 @@ def _fit(name: str, leaf: Any, source: str, value: Any) -> Any:
     out = jnp.asarray(value.astype(want, copy=False))
     sharding = getattr(leaf, "sharding", None)
     return jax.device_put(out, sharding) if sharding is not None else out
-
-
-# --- optimizer state ---------------------------------------------------------------------------
-def load_optimizer_state(
-    path: str | os.PathLike, optimizer: Any, params: Any = None, *, node: str = "optimizer"
-) -> tuple[Any, Any]:
-    """Reads a Keras optimizer's state (and its trainable variables) from a TF checkpoint: ``(params, state)``.
-
-    `optimizer` is the `varstate.optimizers.keras` optimizer made as Keras's
-    was (same class, ``amsgrad``, ``momentum``, ``centered``, float or
-    schedule learning rate): its `keras_layout` says which of Keras 3's
-    ``<node>/_variables/N`` is which slot or counter; each variable's Keras
-    name (``adam/dense_kernel_momentum``) is checked against it. The state's
-    ``iteration`` is Keras's int64 counter (saved back as int64) and its
-    ``learning_rate`` Keras's stored one.
-
-    A tf.keras 2 checkpoint (tf-keras ``optimizer_v2``: ``<node>/iter`` and
-    slots under ``.OPTIMIZER_SLOT``) is read too: its slot names (``m``,
-    ``v``, ``vhat``, ``rms``, ``mg``, ``accum_grad``, ...) become Keras 3's,
-    ``iter`` becomes ``iteration``; its variables are matched to `params`
-    by name when the names agree, else by order.
-
-    A Keras 3 ``.weights.h5`` or ``.keras`` of a compiled model holds the
-    optimizer's variables as ``optimizer/vars/N``, in the same order but
-    without names (shapes are checked); `params` then defaults to the
-    model's weights (`load_weights`), whose trainable ones, in Keras's layer
-    order, are the optimizer's variables.
-
-    `params`: None to take the trainable variables the optimizer recorded
-    (``<node>/_trainable_variables/i``) as new Variables, in Keras's order;
-    or the model's trainable params (any pytree whose trainable leaves are
-    in Keras's order of ``model.trainable_variables``), which come back with
-    the checkpoint's values. `node` is the optimizer's path in the object
-    graph (``tf.train.Checkpoint(optimizer=...)`` and ``model.save_weights``
-    of a compiled model both use ``"optimizer"``).
-
-    >>> import os, tempfile, jax.numpy as jnp, varstate
-    >>> from checkpoint import keras
-    >>> from varstate.optimizers import keras as keras_opt
-    >>> opt = keras_opt.Adam(0.01)
-    >>> w = varstate.Variable(jnp.ones(2), name="dense/kernel")
-    >>> state = opt.init([w])
-    >>> (w,), state = opt.apply_gradients([jnp.ones(2)], [w], state)
-    >>> path = keras.save_optimizer_state(os.path.join(tempfile.mkdtemp(), "ckpt"), opt, [w], state)
-    >>> (w2,), state2 = keras.load_optimizer_state(path, opt)
-    >>> w2.name, state2.non_slot("iteration").value.item(), state2.slots["velocity"][0].name
-    ('dense/kernel', 1, 'dense/kernel/velocity')
-    """
-    where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
-    if isinstance(where, str) and os.path.isfile(where) and (zipfile.is_zipfile(where) or _is_hdf5(where)):
-        _keras_optimizer.check_optimizer(optimizer)
-        return _keras_optimizer.load_optimizer_state(
-            where, optimizer, params, h5_params=load_weights(where) if params is None else params)
-    return _keras_optimizer.load_optimizer_state(path, optimizer, params, node=node)
-
-
-def save_optimizer_state(
-    path: str | os.PathLike,
-    optimizer: Any,
-    params: Any,
-    state: Any,
-    *,
-    name: str | None = None,
-    layout: str = "keras3",
-    model: str = "model",
-) -> str:
-    """Writes `params` and a Keras optimizer's `state` as Keras 3 does (``tf.train.Checkpoint(optimizer=opt)``).
-
-    The TF checkpoint at `path` holds ``optimizer/_iterations`` (int64),
-    ``optimizer/_learning_rate``, ``optimizer/_variables/N`` in Keras's
-    order and ``optimizer/_trainable_variables/i`` (the params, in their
-    pytree order, which must be Keras's order of trainable variables), with
-    Keras's variable names (``<name>/<param path with _>_<slot>``; `name`
-    defaults to Keras's default optimizer name, ``adam``, ``rm_sprop``...).
-    Keras restores it, params and state, with
-    ``tf.train.Checkpoint(optimizer=opt).restore(path)`` once ``opt`` is
-    built on the model's trainable variables. Returns `path`.
-
-    ``layout="tf_keras2"`` writes tf.keras 2's (tf-keras ``optimizer_v2``)
-    instead, as ``tf.train.Checkpoint(<model>=params, optimizer=opt)``
-    saves it: ``optimizer/iter`` (int64), ``learning_rate``, ``decay`` and
-    the hyperparameter variables, each slot under its variable's
-    ``.OPTIMIZER_SLOT/optimizer/<tf.keras slot name>`` (``m``, ``v``,
-    ``vhat``, ``rms``, ``mg``, ...); `params` are written at `model` as
-    the pytree they are (SGD, Adam, Adamax, RMSprop, Adagrad, Adadelta).
-
-    >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
-    >>> from checkpoint import keras
-    >>> from varstate.optimizers import keras as keras_opt
-    >>> opt = keras_opt.SGD(0.1, momentum=0.9)
-    >>> w = varstate.Variable(jnp.ones(2), name="kernel")
-    >>> path = keras.save_optimizer_state(os.path.join(tempfile.mkdtemp(), "ckpt"), opt, [w], opt.init([w]))
-    >>> sorted(checkpoint.read_checkpoint(path).keys())
-    ['optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE', 'optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE', \
-'optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE', 'optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE']
-    """
-    return _keras_optimizer.save_optimizer_state(path, optimizer, params, state, name=name, layout=layout,
-                                                 model=model)

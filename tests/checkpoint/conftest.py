@@ -21,15 +21,14 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 _ZYGOTE = textwrap.dedent(
     """
     import json, os, signal, sys, threading
-    import jax._src.xla_bridge, jax.numpy, orbax.checkpoint, checkpoint, varstate
+    import jax.numpy, orbax.checkpoint, checkpoint, varstate
     from checkpoint import _checkpoint, _manager
-    from checkpoint._storage import _publish
-    from checkpoint._storage import _state_file
+    from checkpoint._storage import _files, _publish, _save
 
     for line in sys.stdin:
         script, args, out, err = json.loads(line)
         assert threading.active_count() == 1, threading.enumerate()  # forking is only safe with one thread
-        assert not jax._src.xla_bridge._backends, "a jax backend started before the fork"
+        assert not BACKENDS_STARTED, "a jax backend started before the fork"
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
@@ -48,9 +47,10 @@ _ZYGOTE = textwrap.dedent(
 
 
 class _Zygote:
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, backends_started: str) -> None:
         self.directory, self.count = directory, 0
-        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], env=ENV, stdin=subprocess.PIPE,
+        script = _ZYGOTE.replace("BACKENDS_STARTED", backends_started)
+        self.proc = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
 
     def run(self, script: str, *args: str) -> subprocess.CompletedProcess:
@@ -66,9 +66,9 @@ class _Zygote:
 
 
 @pytest.fixture(scope="module")
-def forked_python(tmp_path_factory):
+def forked_python(tmp_path_factory, jax_private):
     """`forked_python(script, *args)`: like subprocess.run([python, "-c", script, *args]) with output captured."""
-    zygote = _Zygote(str(tmp_path_factory.mktemp("children")))
+    zygote = _Zygote(str(tmp_path_factory.mktemp("children")), jax_private["backends_started"])
     yield zygote.run
     zygote.proc.stdin.close()
     assert zygote.proc.wait(timeout=60) == 0

@@ -459,11 +459,12 @@ def test_tf_format_is_written_through_write_bundle_and_read_through_read_checkpo
     ours = checkpoint.Checkpoint(model=model).write(str(tmp_path / "orbax"))
     open(str(tmp_path / "fake.index"), "wb").close()
 
-    class TFLikeReader:  # the reader protocol only: no get_many, no get_into
+    class TFLikeReader:  # another class of reader: restore uses the reader protocol alone
         def __init__(self):
             self._r = _orbax.OrbaxReader(ours)
             self.object_graph = self._r.object_graph
             self.keys, self.shape, self.dtype, self.get = self._r.keys, self._r.shape, self._r.dtype, self._r.get
+            self.get_many = self._r.get_many
 
     monkeypatch.setattr(_storage, "open_reader", lambda p: TFLikeReader())
     template = {"w": varstate.Variable(jnp.zeros(3)), "n": 0, "s": ""}
@@ -597,12 +598,12 @@ def test_autocast_variables_checkpoint_as_their_float32_variable(tmp_path):
         assert got.value.dtype == jnp.bfloat16 and got.value.astype(jnp.float32).tolist() == [[0, 1], [2, 3]]
 
 
-def test_small_values_fill_several_packs_and_one_value_reads_one_pack(tmp_path, monkeypatch):
-    monkeypatch.setattr(_orbax_layout, "PACK_BYTES", 1000)
+def test_small_values_fill_several_batches_and_one_value_reads_one_batch(tmp_path, monkeypatch):
+    monkeypatch.setattr(_orbax_layout, "BATCH_BYTES", 1000)
     tree = {f"v{i}": jnp.full(100, float(i)) for i in range(7)}  # 400 bytes each
     path = checkpoint.Checkpoint(**tree).write(str(tmp_path / "c"))
     reader = _orbax.OrbaxReader(path)
-    assert reader._packs == [896, 896, 896, 448]  # two values (400 bytes + 48 of alignment) a pack
+    assert reader._batches == [896, 896, 896, 448]  # two values (400 bytes + 48 of alignment) a batch
     np.testing.assert_array_equal(reader.get("v3" + KEY), np.full(100, 3.0, np.float32))
     assert sorted(reader._cache) == ["p1"]
     got = checkpoint.Checkpoint(**{k: jnp.zeros(100) for k in tree}).restore(path).assert_consumed()

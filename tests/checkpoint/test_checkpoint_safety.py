@@ -28,17 +28,16 @@ CHILD = textwrap.dedent(
     import jax.numpy as jnp
     import checkpoint, varstate
     from checkpoint import _manager
-    from checkpoint._storage import _publish
-    from checkpoint._storage import _state_file
+    from checkpoint._storage import _files, _publish
 
     directory, point = sys.argv[1], sys.argv[2]
     step = 0
     calls = {}
 
-    def wrap(module, name, nth=1):
+    def wrap(module, name, nth=1, when=lambda *args: True):
         original = getattr(module, name)
         def patched(*args, **kwargs):
-            if step == 3:
+            if step == 3 and when(*args):
                 calls[name] = calls.get(name, 0) + 1
                 if calls[name] == nth:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -50,7 +49,8 @@ CHILD = textwrap.dedent(
     elif point == "before-state":
         wrap(_manager, "record_latest")  # moved in, not yet recorded as the latest
     elif point == "mid-state-write":
-        wrap(_state_file, "sync_file")  # state file half written beside the real one
+        # the state file half written beside the real one
+        wrap(_files, "sync_path", when=lambda path: os.path.basename(path).startswith(".checkpoint.tmp-"))
     elif point == "before-delete":
         wrap(_publish, "retire")  # recorded as the latest; the oldest still listed, not deleted
     elif point == "mid-delete":
@@ -123,12 +123,14 @@ def test_async_save_then_donated_optimizer_steps_keep_the_values_at_save_time(tm
     params, state = opt.apply_gradients(grads, params, state)
     # The step right after `save` donates the saved buffers. While orbax still reads a buffer,
     # XLA refuses the donation (and copies); once it has its copy, the donation goes through.
-    # Both must leave the checkpoint with the values of the time of `save`.
+    # Both must leave the checkpoint with the values of the time of `save`: the first save steps at once
+    # (either may happen), the second once the save is committed, so orbax has let go and the donation must happen.
     outcomes = []
-    for attempt in range(1, 8):
+    for attempt in range(1, 3):
         expected = jax.tree.map(lambda x: np.asarray(x.copy()), (params, state))
         mgr.save(attempt, model=params, optimizer=state)
-        time.sleep(0.02 * (attempt - 1))
+        if attempt == 2:
+            mgr.wait_until_finished()
         saved_big, saved_m = params["big"].value, state.get_slot(params["big"], "m").value
         params, state = opt.apply_gradients(grads, params, state)
         params, state = opt.apply_gradients(grads, params, state)
@@ -139,8 +141,6 @@ def test_async_save_then_donated_optimizer_steps_keep_the_values_at_save_time(tm
         restored = jax.tree.map(np.asarray, (got.model, got.optimizer))
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
             np.testing.assert_array_equal(a, b)
-        if outcomes[-1]:
-            break
-    assert outcomes[-1], f"the saved buffers were never donated: {outcomes}"
+    assert outcomes[-1], f"the saved buffers were not donated once the save was committed: {outcomes}"
     assert not np.array_equal(np.asarray(params["big"].value), expected[0]["big"])  # training moved on
     mgr.close()

@@ -159,3 +159,23 @@ def test_a_restored_int64_variable_keeps_its_dtype_through_further_steps(tmp_pat
     path = checkpoint.Checkpoint(model={"step": step}).write(str(tmp_path / "c"), format="tf")
     reader = checkpoint.read_checkpoint(path)
     assert reader.dtype("model/step" + KEY) == np.int64 and np.asarray(reader.get("model/step" + KEY)).item() == 12
+
+
+def test_restore_leaves_the_templates_handle_as_it_was(tmp_path):
+    # The handle is shared by every version of a variable, the template's too, and immutable: a restore that
+    # records an int64 stored dtype gives the restored version a handle of its own (same resource id and name).
+    source = os.path.join(TF_DIR, "tf_int64", "ckpt-1")
+    templates = OURS.int64_templates()
+    template = templates["model"]["step"]
+    before = {k: getattr(template.handle, k) for k in varstate.ResourceHandle.__annotations__}
+    got = checkpoint.Checkpoint(**templates).restore(source).expect_partial().model["step"]
+    assert {k: getattr(template.handle, k) for k in varstate.ResourceHandle.__annotations__} == before
+    assert template.handle.saved_dtype is None and got.handle.saved_dtype == np.int64
+    assert (got.resource_id, got.name) == (template.resource_id, template.name)
+    assert template.handle.registry[template.resource_id] is template.handle
+    for fmt, var in (("template", template), ("restored", got)):
+        path = checkpoint.Checkpoint(model={"step": var}).write(str(tmp_path / fmt), format="tf")
+        want = np.int32 if var is template else np.int64
+        assert checkpoint.read_checkpoint(path).dtype("model/step" + KEY) == want, fmt
+    with pytest.raises(AttributeError, match="ResourceHandle 'step' is immutable: saved_dtype is fixed at creation"):
+        template.handle.saved_dtype = np.dtype(np.int64)

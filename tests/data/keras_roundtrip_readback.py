@@ -63,7 +63,7 @@ def ours_gradients(data, step: int) -> list:
 
 def ours_continue(config: str, data, meta: dict, out_dir: str | None = None):
     """Restores Keras's checkpoint of `config`, takes M steps op by op; writes ours when `out_dir` is given."""
-    from checkpoint.keras import _weights as keras
+    from checkpoint import keras
 
     opt = ours_optimizer(config, meta)
     params, state = keras.load_optimizer_state(os.path.join(DATA, "keras3", config, "ckpt"), opt)
@@ -76,7 +76,7 @@ def ours_continue(config: str, data, meta: dict, out_dir: str | None = None):
 
 def ours_continue_v2(config: str, data, meta: dict, out_dir: str | None = None):
     """tf.keras 2's checkpoint of `config` read into the Keras 3 optimizer, M steps, written in tf.keras 2's layout."""
-    from checkpoint.keras import _weights as keras
+    from checkpoint import keras
     from varstate.optimizers import keras as keras_opt
 
     c = meta["v2_configs"][config]
@@ -94,7 +94,7 @@ def ours_continue_h5(data, out_path: str | None = None):
     """Keras's adam.weights.h5 (a compiled model's weights and optimizer) read, 2 steps, written back."""
     import jax.numpy as jnp
 
-    from checkpoint.keras import _weights as keras
+    from checkpoint import keras
     from checkpoint.keras._optimizer import _trainable
     from varstate.optimizers import keras as keras_opt
 

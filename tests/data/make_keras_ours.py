@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from checkpoint.keras import _weights as keras
+from checkpoint import keras
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keras_weights")
 

@@ -7,13 +7,14 @@ import sys
 import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HANG_GUARD_S = 600  # a hang guard only: each run takes well under a minute on 2 idle cores
 
 
 def _run(directory: str, steps: int) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = ROOT
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "multihost_train.py"), "--dir", directory,
-                           "--steps", str(steps)], capture_output=True, text=True, timeout=240, env=env)
+                           "--steps", str(steps)], capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -7,6 +7,7 @@ points: see the child scripts for what each process does.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -190,7 +191,7 @@ def test_train_save_and_restore_across_process_counts(group, tmp_path, reference
 def test_restore_onto_more_processes_and_a_process_dying_in_a_save(group, tmp_path, reference):
     one = str(tmp_path / "one_process")
     checkpoint.Checkpoint(model=reference["params"], optimizer=reference["state"]).write(one)
-    out = group("child_resume.py", one, "8", all_succeed=False, timeout_s=200)
+    out = group("child_resume.py", one, "8", all_succeed=False)
     assert [o.returncode for o in out] == [0, 17], "\n".join(map(str, out))
     r0 = out[0].results
 
@@ -221,7 +222,6 @@ def test_restore_onto_more_processes_and_a_process_dying_in_a_save(group, tmp_pa
     assert "Process 0 of 2: process 1 did not reach the barrier" in message
     assert "barrier 'varstate-written:" in message and "within 8 s (it died or is stuck" in message
     assert "the checkpoint being written is not published and the latest checkpoint is unchanged" in message
-    assert out[0].results["dying_seconds"] < 60  # the barrier timeout, not jax's 100 s heartbeat timeout
     directory = str(tmp_path / "dying")
     assert checkpoint.latest_checkpoint(directory) == os.path.join(directory, "ckpt-1")
     assert not os.path.exists(os.path.join(directory, "ckpt-2"))
@@ -232,15 +232,15 @@ def test_restore_onto_more_processes_and_a_process_dying_in_a_save(group, tmp_pa
 
 
 def test_a_process_dying_inside_a_collective_is_named_at_once(group, tmp_path):
-    out = group("child_die_in_collective.py", all_succeed=False, env={"VARSTATE_BARRIER_TIMEOUT_S": "60"},
-                timeout_s=200)
+    out = group("child_die_in_collective.py", all_succeed=False, env={"VARSTATE_BARRIER_TIMEOUT_S": "60"})
     assert [o.returncode for o in out] == [0, 17], "\n".join(map(str, out))
     kind, message = out[0].results["dying_save"]
     assert kind == "ProcessGroupError", message
     assert message.startswith("Process 0 of 2: exchanging metadata (checksums, index entries, digests) with "
                               "process [1] failed (")
     assert "it died or left the group. The save was abandoned" in message
-    assert out[0].results["dying_seconds"] < 30  # the transport noticed; no barrier timeout was needed
+    # the transport noticed the dead peer (no barrier or gloo timeout was needed: either would say so)
+    assert re.search(r"\(UNKNOWN: Gloo \w+ failed: .*Connection (closed|reset) by peer", message), message
     directory = str(tmp_path / "dying_collective")
     assert checkpoint.latest_checkpoint(directory) == os.path.join(directory, "model-1")
     assert not os.path.exists(os.path.join(directory, "model-2"))

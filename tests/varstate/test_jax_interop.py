@@ -10,13 +10,7 @@ import numpy as np
 import pytest
 
 import varstate
-from varstate import AutoCastVariable, Registry, Variable
-
-
-@pytest.fixture
-def reg():
-    return Registry()
-
+from varstate import AutoCastVariable, Variable
 
 X = jnp.array([0.5, -1.0, 2.0])
 V0 = jnp.array([1.0, -2.0, 3.0])

@@ -1,5 +1,7 @@
 """SaveSliceInfo, PartitionedVariable, expand_variables, uninitialized/zero_initializer, global step."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,12 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import varstate
-from varstate import IndexedSlices, PartitionedVariable, Registry, SaveSliceInfo
-
-
-@pytest.fixture
-def reg():
-    return Registry()
+from varstate import IndexedSlices, PartitionedVariable, SaveSliceInfo
 
 
 def test_save_slice_info_spec_round_trip():
@@ -186,3 +183,29 @@ def test_variable_axis_size_partitioner_refuses_a_negative_max_shards():
     with pytest.raises(ValueError, match=r"variable_axis_size_partitioner: max_shards must be positive, got -2"):
         varstate.variable_axis_size_partitioner(64, max_shards=-2)
     assert varstate.variable_axis_size_partitioner(64, max_shards=2)((10, 4), "float32") == [2, 1]
+
+
+@pytest.mark.parametrize("num_shards, axis, shape, want", [
+    (3, 0, (10, 4), [3, 1]),
+    (3, 1, (10, 4), [1, 3]),
+    (3, 0, (2, 5), [2, 1]),  # TF: min(num_shards, shape[axis])
+    (1, 0, (7,), [1]),
+    (4, 0, (7,), [4]),
+    (8, 2, (2, 3, 8), [1, 1, 8]),
+])
+def test_fixed_size_partitioner_as_tf(num_shards, axis, shape, want):
+    partitioner = varstate.fixed_size_partitioner(num_shards, axis)
+    assert partitioner(shape, "float32") == want
+    assert partitioner(shape, "int8") == want  # the dtype does not matter, as in TF
+
+
+def test_fixed_size_partitioner_splits_the_rows_as_tf_and_refuses_a_non_positive_count(reg):
+    value = jnp.arange(20.0).reshape(10, 2)
+    pv = PartitionedVariable(value, name="p", partitioner=varstate.fixed_size_partitioner(3), registry=reg)
+    # TF's split: the first 10 % 3 shards get one more row than the others
+    assert [v.shape for v in pv.variables] == [(4, 2), (3, 2), (3, 2)]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(v.value) for v in pv.variables]), np.asarray(value))
+    for bad in (-1, 2.0, "2", None):
+        with pytest.raises(ValueError, match=re.escape(
+                f"fixed_size_partitioner: num_shards must be a positive int, got {bad!r}.")):
+            varstate.fixed_size_partitioner(bad)

@@ -23,6 +23,19 @@ def test_unique_names_follow_tf_scheme():
     assert [v.name for v in keep] == ["a_1", "a"]
 
 
+def test_unique_name_answers_without_reserving_as_tfs_mark_as_used_false():
+    r = Registry()
+    assert [r.unique_name("kernel"), r.unique_name("kernel")] == ["kernel", "kernel"]
+    first = Variable(0.0, name="kernel", registry=r)
+    assert [r.unique_name("kernel"), r.unique_name("kernel")] == ["kernel_1", "kernel_1"]
+    second = Variable(0.0, name="kernel", registry=r)
+    assert [first.name, second.name, r.unique_name("kernel")] == ["kernel", "kernel_1", "kernel_2"]
+    assert r.unique_name("dense/kernel") == "dense/kernel" and r.unique_name("kernel_1") == "kernel_1_1"
+    taken = Variable(0.0, name="b_1", registry=r), Variable(0.0, name="b", registry=r)
+    assert r.unique_name("b") == "b_2" and [v.name for v in taken] == ["b_1", "b"]
+    assert len(r) == 4  # asking created nothing
+
+
 def test_name_scope_prefixes_and_nests():
     r = Registry()
     with varstate.name_scope("dense"):

@@ -1,4 +1,12 @@
-"""Optimizers with TF's slot and non-slot variables, as jitted pure updates (dense and sparse)."""
+"""Optimizers with TF's slot and non-slot variables, as jitted pure updates (dense and sparse).
+
+>>> import jax.numpy as jnp, varstate
+>>> opt = varstate.optimizers.GradientDescent(0.5)
+>>> params = {"w": varstate.Variable(jnp.ones(2), name="w")}
+>>> params, state = opt.apply_gradients({"w": jnp.ones(2)}, params, opt.init(params))
+>>> params["w"].value.tolist()
+[0.5, 0.5]
+"""
 
 from varstate.optimizers._adadelta import Adadelta
 from varstate.optimizers._adagrad import Adagrad

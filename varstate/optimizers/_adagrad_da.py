@@ -11,10 +11,9 @@ from jax import lax
 
 from varstate._global_step import assert_global_step
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
+from varstate.optimizers._core._rows import as_dtype, divide, gather_rows, set_rows
 from varstate.optimizers._proximal_math import (
     _check,
-    _div,
     _float_options,
     _one_element_rows,
     _pair_div,
@@ -133,11 +132,11 @@ class AdagradDA(Optimizer):
         if not _one_element_rows(var):
             # TF's loop over rows of several elements has its own form: g_acc / t, sqrt(gg_acc) / (t * lr).
             ga, gg = ga + values, gg + values * values
-            denom = l2 + _div(jnp.sqrt(gg), t * lr)
+            denom = l2 + divide(jnp.sqrt(gg), t * lr)
             if self._shrink:
-                rows = -jnp.sign(ga) * jnp.maximum(_div(jnp.abs(ga), t) - l1, 0) / denom
+                rows = -jnp.sign(ga) * jnp.maximum(divide(jnp.abs(ga), t) - l1, 0) / denom
             else:
-                rows = -_div(ga, t) / denom
+                rows = -divide(ga, t) / denom
         elif var.dtype == jnp.float32:
             rows, ga, gg = self._float32_scalar_rows(lr, l1, l2, t, values, ga, gg)
         else:  # TF's scalar loop in double; here in the variable's own precision

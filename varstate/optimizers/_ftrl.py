@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
-from varstate.optimizers._proximal_math import _check, _div, _float_options, _one_element_rows
+from varstate.optimizers._core._rows import as_dtype, divide, gather_rows, set_rows
+from varstate.optimizers._proximal_math import _check, _float_options, _one_element_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +99,9 @@ class Ftrl(Optimizer):
         accum, linear = slots["accum"], slots["linear"]
         new_accum = accum + grad * grad
         g = self._gradient(grad, var, shrinkage)
-        linear = linear + (g - _div(self._pow(new_accum) - self._pow(accum), lr) * var)
+        linear = linear + (g - divide(self._pow(new_accum) - self._pow(accum), lr) * var)
         x = l1 * jnp.sign(linear) - linear
-        y = _div(self._pow(new_accum), lr) + 2 * l2
+        y = divide(self._pow(new_accum), lr) + 2 * l2
         var = jnp.where(jnp.abs(linear) > l1, x / y, jnp.zeros((), var.dtype))
         return var, {"accum": new_accum, "linear": linear}
 
@@ -113,13 +113,13 @@ class Ftrl(Optimizer):
         g = self._gradient(values, rows, shrinkage)
         sigma = self._pow(new_accum) - self._pow(accum)
         if _one_element_rows(var):  # TF's scalar loop: (linear + g) - sigma / lr * var
-            linear = (linear + g) - _div(sigma, lr) * rows
+            linear = (linear + g) - divide(sigma, lr) * rows
         else:  # TF's row loop, as the dense kernel
-            linear = linear + (g - _div(sigma, lr) * rows)
+            linear = linear + (g - divide(sigma, lr) * rows)
         # Both sparse loops clip linear to [-l1, l1] rather than test |linear| > l1: x is 0 there, as in the
         # dense kernel, except 0 / 0 (accumulator 0, gradient 0) stays NaN, as in TF.
         x = jnp.maximum(jnp.minimum(linear, l1), -l1) - linear
-        rows = x / (_div(self._pow(new_accum), lr) + 2 * l2)
+        rows = x / (divide(self._pow(new_accum), lr) + 2 * l2)
         new = {"accum": set_rows(slots["accum"], indices, new_accum),
                "linear": set_rows(slots["linear"], indices, linear)}
         return set_rows(var, indices, rows), new

@@ -13,7 +13,7 @@ from varstate._global_step import int64_counter
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers._core._base import Optimizer
-from varstate.optimizers._core._slots import check_non_slots, scalar_placement
+from varstate.optimizers._core._slots import check_non_slots, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
 
 _SCALE, _GOOD = "current_loss_scale", "good_steps"  # Keras's variable names (checkpoint keys)
@@ -162,10 +162,7 @@ class LossScaleOptimizer(Optimizer):
         taken = set(state.non_slots) & {_SCALE, _GOOD}
         if taken:
             raise ValueError(f"LossScaleOptimizer: the inner optimizer already has non-slot variables {taken}.")
-        first = next((p for p in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Variable))
-                      if isinstance(p, Variable)), None)
-        registry = first.handle.registry if first is not None else None
-        placement = scalar_placement(first)  # with the inner optimizer's non-slots
+        registry, placement = non_slot_home(params)  # with the inner optimizer's non-slots
         non_slots = {**state.non_slots, **kept}
         if _SCALE not in non_slots:
             scale = jnp.asarray(self.initial_scale, jnp.float32, device=placement)
@@ -179,7 +176,7 @@ class LossScaleOptimizer(Optimizer):
         slots, non_slots = initial(self.inner_optimizer, leaves)
         if self.dynamic:
             non_slots[_SCALE] = jnp.asarray(self.initial_scale, jnp.float32)
-            non_slots[_GOOD] = jnp.zeros((), jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)  # int64_counter's
+            non_slots[_GOOD] = jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int64))  # int64_counter's
         return slots, non_slots
 
     def loss_scale(self, state: OptimizerState) -> Any:

@@ -18,18 +18,12 @@ from varstate.optimizers._core._matching import (
     convert_grad,
     flatten_grads,
     is_var,
+    key_name,
     owner_positions,
     path_label,
 )
-from varstate.optimizers._core._slots import Existing, check_non_slots, check_slots, make_slot, scalar_placement
+from varstate.optimizers._core._slots import Existing, check_non_slots, check_slots, make_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
-
-
-def _key_name(k: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
 
 
 def _layout(opt_state: Any, values: Any) -> tuple[Any, list[tuple[str, bool]]]:
@@ -49,11 +43,11 @@ def _layout(opt_state: Any, values: Any) -> tuple[Any, list[tuple[str, bool]]]:
 
     flat, outer = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=per_param)
     parts = [(path, per_param(x)) for path, x in flat]
-    short = [_key_name(path[-1]) if path else "state" for path, _ in parts]
+    short = [key_name(path[-1]) if path else "state" for path, _ in parts]
     names = []
     for (path, is_slot), name in zip(parts, short, strict=True):
         if short.count(name) > 1:  # e.g. two `count`s in a chain: spell the whole path
-            name = "_".join(_key_name(k) for k in path)
+            name = "_".join(key_name(k) for k in path)
         names.append((name, is_slot))
     return outer, names
 
@@ -87,7 +81,13 @@ class _OptaxOptimizer(Optimizer):
                 non_slots[name] = part
         return slots, non_slots
 
-    def init(self, params: Any, state: OptimizerState | None = None, *, fused: bool | None = None) -> OptimizerState:
+    def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
+             fused: bool | None = None) -> OptimizerState:
+        if stepped is not None:
+            raise TypeError(
+                "from_optax(...).init: stepped= leaves the slots of unstepped params out, as TF does; an optax "
+                "transformation's init makes its state for every param. Call init(params) without stepped=."
+            )
         if fused:
             raise TypeError(
                 "from_optax(...).init: fused=True packs the slots of varstate's own optimizers; an optax "
@@ -99,8 +99,7 @@ class _OptaxOptimizer(Optimizer):
         opt_state = self.tx.init(values)
         outer, names = _layout(opt_state, values)
         existing = Existing(state, p_def, paths)
-        first = next((p for p in p_leaves if isinstance(p, Variable)), None)
-        registry = first.handle.registry if first is not None else None
+        registry, placement = non_slot_home(p_leaves)  # replicated over the first variable's mesh, as the base's
         slots, non_slots = {}, {}
         for part, (name, is_slot) in zip(outer.flatten_up_to(opt_state), names, strict=True):
             if is_slot:
@@ -114,7 +113,6 @@ class _OptaxOptimizer(Optimizer):
             elif name in existing.non_slots:
                 non_slots[name] = existing.non_slots[name]
             else:
-                placement = scalar_placement(first)  # replicated over the first variable's mesh, as the base's
                 part = part if placement is None else jax.device_put(part, placement)
                 non_slots[name] = Variable(part, name=name, trainable=False, registry=registry)
         return OptimizerState(slots=slots, non_slots=non_slots)

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from varstate.optimizers._core._rows import divide
+
 Array = Any
 
 
@@ -49,16 +51,6 @@ def _check(opt: Any, name: str, ok: bool, rule: str) -> None:
     InvalidArgumentError, whose Python counterpart is ValueError)."""
     if not ok:
         raise ValueError(f"{type(opt).__name__}: {name} must be {rule}, got {getattr(opt, name)!r}.")
-
-
-def _div(x: Array, d: Array) -> Array:
-    """x / d element by element, as TF's kernels divide, also when `d` is a scalar.
-
-    XLA turns a division by a broadcast scalar into a multiplication by its reciprocal: two roundings,
-    a last bit off in a quarter of the elements. Broadcasting first keeps the division a division when
-    ops run one by one; under jit XLA may still fold it, within the ulps FMA costs there anyway.
-    """
-    return x / jnp.broadcast_to(d, jnp.broadcast_shapes(jnp.shape(x), jnp.shape(d)))
 
 
 def _one_element_rows(var: Array) -> bool:
@@ -115,7 +107,7 @@ def _div_one_plus(x: Array, c: Array) -> Array:
     TF's double; TF has no 16-bit kernels for these optimizers).
     """
     if x.dtype != jnp.float32:
-        return _div(x, 1 + c)
+        return divide(x, 1 + c)
     c = jnp.broadcast_to(c, x.shape)
     bh, bl = _two_sum(jnp.ones_like(c), c)  # 1 + c exactly, as double holds it
     return _pair_div(x, jnp.zeros_like(x), bh, bl)
@@ -128,4 +120,4 @@ def _fobos(prox: Array, threshold: Array, c: Array, shrink: bool, wide: bool) ->
     division is in double, as in TF's kernels for rows of one element.
     """
     x = jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - threshold, 0) if shrink else prox
-    return _div_one_plus(x, c) if wide else _div(x, 1 + c)
+    return _div_one_plus(x, c) if wide else divide(x, 1 + c)

@@ -6,18 +6,21 @@ what TF recorded about them; converted checkpoints are checked by reading them b
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
+import checkpoint
 import checkpoint._cli._inspect as cli_inspect
-import checkpoint._cli._main as cli
 import checkpoint._cli._out as cli_out
+import varstate
 from checkpoint import read_checkpoint
 from checkpoint._storage import write_bundle
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
@@ -39,11 +42,6 @@ def expected(name):
     return np.array(e["values"], dtype=e["dtype"]).reshape(e["shape"])
 
 
-def run(capsys, *argv):
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def assert_one_line_error(code, err, pattern):
     assert code == 2
@@ -52,8 +50,8 @@ def assert_one_line_error(code, err, pattern):
 
 
 # --- inspect ---------------------------------------------------------------------
-def test_inspect_name_based_lists_every_name_with_shape_dtype_bytes(capsys):
-    code, out, err = run(capsys, "inspect", NAME_BASED)
+def test_inspect_name_based_lists_every_name_with_shape_dtype_bytes(run):
+    code, out, err = run("inspect", NAME_BASED)
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0] == f"{NAME_BASED}: TF name-based checkpoint"
@@ -69,18 +67,18 @@ def test_inspect_name_based_lists_every_name_with_shape_dtype_bytes(capsys):
     assert len(lines) == len(EXPECTED) + 2
 
 
-def test_inspect_sizes_in_binary_units(capsys, tmp_path):
+def test_inspect_sizes_in_binary_units(run, tmp_path):
     write_bundle(str(tmp_path / "big"), {"a": np.zeros((3, 256, 1024), np.float16), "b": np.zeros(300, np.int32)})
-    code, out, _ = run(capsys, "inspect", str(tmp_path / "big"))
+    code, out, _ = run("inspect", str(tmp_path / "big"))
     assert code == 0
     lines = out.splitlines()
     assert lines[1].split(")")[-1].split() == ["1.5", "MiB"] and lines[2].split(")")[-1].split() == ["1.2", "KiB"]
     assert lines[-1] == f"2 values, 1.5 MiB ({3 * 256 * 1024 * 2 + 1200} bytes)"
 
 
-def test_inspect_name_based_shows_the_saved_slices(capsys):
+def test_inspect_name_based_shows_the_saved_slices(run):
     record = TF_EXPECTED["tf_name"]
-    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_name"))
+    code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_name"))
     assert code == 0
     for name in record["tensors"]:
         line = next(ln for ln in out.splitlines() if ln.split()[0] == name)
@@ -88,10 +86,10 @@ def test_inspect_name_based_shows_the_saved_slices(capsys):
         assert line.endswith(f"B  {n} slices" if n else "B"), line
 
 
-def test_inspect_key_summarizes_one_value(capsys):
+def test_inspect_key_summarizes_one_value(run):
     name = "bert/embeddings/word_embeddings"
     value = expected(name)
-    code, out, _ = run(capsys, "inspect", NAME_BASED, "--key", name)
+    code, out, _ = run("inspect", NAME_BASED, "--key", name)
     assert code == 0
     fields = dict(line.split(": ", 1) for line in out.splitlines())
     assert fields["key"] == name and fields["dtype"] == "float32" and fields["shape"] == "(6, 4)"
@@ -99,21 +97,21 @@ def test_inspect_key_summarizes_one_value(capsys):
     assert float(fields["min"]) == value.min() and float(fields["max"]) == value.max()
     assert float(fields["mean"]) == pytest.approx(value.astype(np.float64).mean(), rel=1e-12)
     assert fields["first values"] == f"{value.ravel()[:10].tolist()} ..."
-    code, out, _ = run(capsys, "inspect", NAME_BASED, "--key", "global_step")
+    code, out, _ = run("inspect", NAME_BASED, "--key", "global_step")
     assert code == 0 and "first values: [1234]" in out and "min: 1234" in out
     # ml_dtypes' int4 and float8 have numpy kind "V": still numbers (TF wrote [[1, -2, 3], [-8, 7, 0]]).
     for key, stats in [("int4", ("-8.0", "7.0")), ("float8_e4m3fn", ("-2.0", "448.0"))]:
-        code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_low_precision", "ckpt"),
+        code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_low_precision", "ckpt"),
                            "--key", f"model/{key}/.ATTRIBUTES/VARIABLE_VALUE")
         fields = dict(line.split(": ", 1) for line in out.splitlines())
         assert code == 0 and (fields["dtype"], fields["min"], fields["max"]) == (key, *stats)
 
 
-def test_inspect_errors_are_one_line(capsys, tmp_path):
-    code, _, err = run(capsys, "inspect", NAME_BASED, "--key", "bert/encoder/layer_9/kernel")
+def test_inspect_errors_are_one_line(run, tmp_path):
+    code, _, err = run("inspect", NAME_BASED, "--key", "bert/encoder/layer_9/kernel")
     assert_one_line_error(code, err, r"no key 'bert/encoder/layer_9/kernel' in the checkpoint; similar keys: "
                                      r"\['bert/encoder/layer_0/kernel'\]")
-    code, _, err = run(capsys, "inspect", str(tmp_path / "nothing"))
+    code, _, err = run("inspect", str(tmp_path / "nothing"))
     assert_one_line_error(code, err, r".*nothing.*")
     # A flipped bit in the index: the reader's own error, still one line.
     for suffix in (".index", ".data-00000-of-00001"):
@@ -121,16 +119,16 @@ def test_inspect_errors_are_one_line(capsys, tmp_path):
     raw = bytearray((tmp_path / "bad.index").read_bytes())
     raw[10] ^= 0x40
     (tmp_path / "bad.index").write_bytes(bytes(raw))
-    code, _, err = run(capsys, "inspect", str(tmp_path / "bad"))
+    code, _, err = run("inspect", str(tmp_path / "bad"))
     assert_one_line_error(code, err, r".*bad\.index.*")
 
 
-def test_usage_errors_exit_2(capsys):
-    code, _, err = run(capsys)
+def test_usage_errors_exit_2(run):
+    code, _, err = run()
     assert code == 2 and "usage: varstate-ckpt" in err
-    code, _, err = run(capsys, "convert", "a", "b")
+    code, _, err = run("convert", "a", "b")
     assert code == 2 and "the following arguments are required: --to" in err
-    code, out, _ = run(capsys, "--help")
+    code, out, _ = run("--help")
     assert code == 0 and "inspect" in out and "convert" in out and "diff" in out
 
 
@@ -167,9 +165,9 @@ def cli_escape(name):
     return name.replace(".", "..").replace("/", ".S")
 
 
-def test_inspect_object_based_tree_matches_tf_keys(capsys):
+def test_inspect_object_based_tree_matches_tf_keys(run):
     record = TF_EXPECTED["tf_object"]
-    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"))
+    code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_object"))
     assert code == 0
     lines = out.splitlines()
     assert lines[0].endswith("tf_object/ckpt-1: TF object-based checkpoint")
@@ -195,11 +193,11 @@ def test_inspect_object_based_tree_matches_tf_keys(capsys):
     assert all(b + SUFFIX in record["tensors"] and a + SUFFIX not in record["tensors"] for a, b in aliases.items())
 
 
-def test_inspect_key_by_object_path_for_every_dtype(capsys):
+def test_inspect_key_by_object_path_for_every_dtype(run):
     record = TF_EXPECTED["tf_object"]["tensors"]
     for key in [k for k in record if k.startswith("model/dtypes/")]:
         rec = record[key]
-        code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"), "--key", key[: -len(SUFFIX)])
+        code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_object"), "--key", key[: -len(SUFFIX)])
         assert code == 0
         fields = dict(line.split(": ", 1) for line in out.splitlines())
         dtype, shape, nbytes = tf_info(rec)
@@ -223,9 +221,9 @@ def test_inspect_key_by_object_path_for_every_dtype(capsys):
 
 
 # --- convert / diff ---------------------------------------------------------------
-def test_convert_name_based_to_tf_keeps_names_and_values(capsys, tmp_path):
+def test_convert_name_based_to_tf_keeps_names_and_values(run, tmp_path):
     dst = str(tmp_path / "copy")
-    code, out, err = run(capsys, "convert", NAME_BASED, dst, "--to", "tf")
+    code, out, err = run("convert", NAME_BASED, dst, "--to", "tf")
     assert code == 0 and err == ""
     assert out == f"wrote {dst} (tf): {len(EXPECTED)} values, {sum(expected(n).nbytes for n in EXPECTED)} B; " \
                   "verified by reading it back\n"
@@ -235,13 +233,13 @@ def test_convert_name_based_to_tf_keeps_names_and_values(capsys, tmp_path):
         got = back.get(name)
         assert got.dtype == expected(name).dtype
         np.testing.assert_array_equal(got, expected(name))
-    code, out, _ = run(capsys, "diff", NAME_BASED, dst)
+    code, out, _ = run("diff", NAME_BASED, dst)
     assert code == 0 and out.splitlines()[-1] == f"match ({len(EXPECTED)} shared keys, atol=0)"
-    code, _, err = run(capsys, "convert", NAME_BASED, dst, "--to", "tf")
+    code, _, err = run("convert", NAME_BASED, dst, "--to", "tf")
     assert_one_line_error(code, err, re.escape(f"destination {dst!r} already exists; remove it or choose another path"))
 
 
-def test_diff_reports_keys_shapes_and_max_abs_difference(capsys, tmp_path):
+def test_diff_reports_keys_shapes_and_max_abs_difference(run, tmp_path):
     tensors = {n: expected(n) for n in EXPECTED}
     tensors["cls/weights"] = tensors["cls/weights"] + np.float32(0.25)
     tensors["counts"] = tensors["counts"].astype(np.int64)  # dtype differs
@@ -249,7 +247,7 @@ def test_diff_reports_keys_shapes_and_max_abs_difference(capsys, tmp_path):
     tensors["new/bias"] = np.zeros(3, np.float32)
     other = str(tmp_path / "other")
     write_bundle(other, tensors)
-    code, out, err = run(capsys, "diff", NAME_BASED, other)
+    code, out, err = run("diff", NAME_BASED, other)
     assert code == 1 and err == ""
     lines = out.splitlines()
     assert "only in A: scale  float64 (2,)" in lines
@@ -262,54 +260,54 @@ def test_diff_reports_keys_shapes_and_max_abs_difference(capsys, tmp_path):
     assert row.split()[1] == "max|A-B|=0" and row.endswith("match")
     assert lines[-1] == f"differ ({len(EXPECTED) - 1} shared keys, atol=0)"
     # Within a tolerance only the key and dtype differences remain.
-    code, out, _ = run(capsys, "diff", NAME_BASED, other, "--atol", "0.3")
+    code, out, _ = run("diff", NAME_BASED, other, "--atol", "0.3")
     assert code == 1 and next(ln for ln in out.splitlines() if ln.startswith("cls/weights ")).endswith("match")
 
 
-def test_diff_same_values_and_nan_positions(capsys, tmp_path):
+def test_diff_same_values_and_nan_positions(run, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     write_bundle(a, {"x": np.array([1.0, np.nan], np.float32)})
     write_bundle(b, {"x": np.array([1.0, np.nan], np.float32)})
-    assert run(capsys, "diff", a, b)[0] == 0
+    assert run("diff", a, b)[0] == 0
     shutil.rmtree(tmp_path)
     os.makedirs(tmp_path)
     write_bundle(a, {"x": np.array([1.0, np.nan], np.float32)})
     write_bundle(b, {"x": np.array([1.0, 2.0], np.float32)})
-    code, out, _ = run(capsys, "diff", a, b)
+    code, out, _ = run("diff", a, b)
     assert code == 1 and "max|A-B|=nan" in out
 
 
-def test_diff_integers_exactly(capsys, tmp_path):
+def test_diff_integers_exactly(run, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     big = np.array([2**60, -(2**63), 5], np.int64)
     write_bundle(a, {"n": big, "u": np.array([2**64 - 1, 0], np.uint64)})
     write_bundle(b, {"n": big + np.array([1, 0, 0]), "u": np.array([0, 0], np.uint64)})
-    code, out, _ = run(capsys, "diff", a, b)
+    code, out, _ = run("diff", a, b)
     assert code == 1
     rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()[:-1]}
     assert rows == {"n": "max|A-B|=1", "u": f"max|A-B|={float(2**64 - 1):.6g}"}
     write_bundle(b, {"n": np.array([-(2**63), 2**63 - 1, 5], np.int64), "u": np.array([2**64 - 1, 0], np.uint64)})
-    code, out, _ = run(capsys, "diff", a, b, "--atol", "1e30")  # |(2**63 - 1) - (-(2**63))| = 2**64 - 1
+    code, out, _ = run("diff", a, b, "--atol", "1e30")  # |(2**63 - 1) - (-(2**63))| = 2**64 - 1
     rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[:-1]}
     assert code == 0 and rows == {"n": [f"max|A-B|={float(2**64 - 1):.6g}", "match"], "u": ["max|A-B|=0", "match"]}
 
 
-def test_diff_error_is_exit_2(capsys, tmp_path):
-    code, _, err = run(capsys, "diff", NAME_BASED, str(tmp_path / "missing"))
+def test_diff_error_is_exit_2(run, tmp_path):
+    code, _, err = run("diff", NAME_BASED, str(tmp_path / "missing"))
     assert_one_line_error(code, err, r".*missing.*")
 
 
 # --- terminal output (rich) and the entry point -------------------------------------
-def test_rich_output_when_stdout_is_a_terminal(capsys, monkeypatch, tmp_path):
+def test_rich_output_when_stdout_is_a_terminal(run, monkeypatch, tmp_path):
     monkeypatch.setattr(cli_out, "is_terminal", lambda: True)
-    code, out, _ = run(capsys, "inspect", NAME_BASED)
+    code, out, _ = run("inspect", NAME_BASED)
     assert code == 0 and "┃ name" in out and "bert/embeddings/word_embeddings" in out
     assert f"{len(EXPECTED)} values" in out
     # Names are printed as text, never read as rich markup.
     write_bundle(str(tmp_path / "b"), {"w[bold]": np.zeros(2, np.float32), "x[/]": np.ones(1, np.float32)})
-    code, out, _ = run(capsys, "inspect", str(tmp_path / "b"))
+    code, out, _ = run("inspect", str(tmp_path / "b"))
     assert code == 0 and "w[bold]" in out and "x[/]" in out
-    code, out, _ = run(capsys, "diff", str(tmp_path / "b"), str(tmp_path / "b"))
+    code, out, _ = run("diff", str(tmp_path / "b"), str(tmp_path / "b"))
     assert code == 0 and "w[bold]" in out and "x[/]" in out
 
 
@@ -321,12 +319,12 @@ def test_python_dash_m_checkpoint():
     assert "first values: [3, -1, 7]" in done.stdout
 
 
-def test_convert_object_based_keeps_graph_and_values_both_ways(capsys, tmp_path):
+def test_convert_object_based_keeps_graph_and_values_both_ways(run, tmp_path):
     src = os.path.join(TF_DIR, "ours_checkpoint")
     record = TF_EXPECTED["ours_checkpoint"]
     orbax_dst, tf_dst = str(tmp_path / "orbax"), str(tmp_path / "tf" / "ckpt")
-    assert run(capsys, "convert", src, orbax_dst, "--to", "orbax")[0] == 0
-    assert run(capsys, "convert", orbax_dst, tf_dst, "--to", "tf")[0] == 0
+    assert run("convert", src, orbax_dst, "--to", "orbax")[0] == 0
+    assert run("convert", orbax_dst, tf_dst, "--to", "tf")[0] == 0
     graph = text_format.Parse(record["object_graph"], TrackableObjectGraph())
     for path in (orbax_dst, tf_dst):
         back = read_checkpoint(path)
@@ -334,7 +332,7 @@ def test_convert_object_based_keeps_graph_and_values_both_ways(capsys, tmp_path)
         assert sorted(back.keys()) == sorted(record["tensors"])
         for key, rec in record["tensors"].items():
             assert back.get(key).tobytes().hex() == rec["hex"], key
-        code, out, _ = run(capsys, "diff", src, path)
+        code, out, _ = run("diff", src, path)
         assert code == 0, out
     # The converted orbax checkpoint is one our Checkpoint restores.
     import jax.numpy as jnp
@@ -350,11 +348,11 @@ def test_convert_object_based_keeps_graph_and_values_both_ways(capsys, tmp_path)
     assert np.asarray(status.model["kernel"].value).tobytes().hex() == kernel["hex"]
 
 
-def test_convert_name_based_to_orbax_reassembles_slices(capsys, tmp_path, monkeypatch):
+def test_convert_name_based_to_orbax_reassembles_slices(run, tmp_path, monkeypatch):
     monkeypatch.setattr(cli_out, "is_terminal", lambda: True)  # with the progress bar
     record = TF_EXPECTED["tf_name"]
     dst = str(tmp_path / "orbax")
-    code, out, _ = run(capsys, "convert", os.path.join(TF_DIR, "tf_name"), dst, "--to", "orbax")
+    code, out, _ = run("convert", os.path.join(TF_DIR, "tf_name"), dst, "--to", "orbax")
     assert code == 0 and "verified by reading it back" in out
     back = read_checkpoint(dst)
     assert cli_out.object_graph(back) is None and sorted(back.keys()) == sorted(record["tensors"])
@@ -362,21 +360,21 @@ def test_convert_name_based_to_orbax_reassembles_slices(capsys, tmp_path, monkey
         assert back.get(key).tobytes().hex() == rec["hex"], key
 
 
-def test_convert_strings_to_orbax_is_refused(capsys, tmp_path):
-    code, _, err = run(capsys, "convert", os.path.join(TF_DIR, "tf_object"), str(tmp_path / "o"), "--to", "orbax")
+def test_convert_strings_to_orbax_is_refused(run, tmp_path):
+    code, _, err = run("convert", os.path.join(TF_DIR, "tf_object"), str(tmp_path / "o"), "--to", "orbax")
     assert_one_line_error(code, err, r"'model/dtypes/string/\.ATTRIBUTES/VARIABLE_VALUE' is a string tensor, which "
                                      r"the orbax format cannot hold; convert --to tf")
     assert not os.path.exists(tmp_path / "o")
 
 
-def test_rich_tree_for_an_object_graph(capsys, monkeypatch):
+def test_rich_tree_for_an_object_graph(run, monkeypatch):
     monkeypatch.setattr(cli_out, "is_terminal", lambda: True)
-    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "ours_checkpoint"))
+    code, out, _ = run("inspect", os.path.join(TF_DIR, "ours_checkpoint"))
     assert code == 0
     assert "├── model" in out and "slot 'm' of model/kernel" in out
 
 
-def test_convert_keeps_python_strings_of_our_own_checkpoints(capsys, tmp_path):
+def test_convert_keeps_python_strings_of_our_own_checkpoints(run, tmp_path):
     # A Python str is stored as a scalar string (TF's py_state); orbax holds it as a Python value.
     import jax.numpy as jnp
 
@@ -389,22 +387,22 @@ def test_convert_keeps_python_strings_of_our_own_checkpoints(capsys, tmp_path):
     src = checkpoint.Checkpoint(m=model("run-1 é", 1.0)).write(str(tmp_path / "src"))
     via_tf, back = str(tmp_path / "tf" / "ckpt"), str(tmp_path / "back")
     for a, b, to in ((src, str(tmp_path / "copy"), "orbax"), (src, via_tf, "tf"), (via_tf, back, "orbax")):
-        code, out, err = run(capsys, "convert", a, b, "--to", to)
+        code, out, err = run("convert", a, b, "--to", to)
         assert code == 0 and "verified by reading it back" in out, err
     for path in (str(tmp_path / "copy"), via_tf, back):
         got = checkpoint.Checkpoint(m=model("", 0.0)).restore(path).assert_consumed().m
         assert got["name"] == "run-1 é" and got["n"] == 3 and got["w"].value.tolist() == [1.0, 1.0]
-        assert run(capsys, "diff", src, path)[0] == 0
+        assert run("diff", src, path)[0] == 0
 
 
-def test_a_name_based_checkpoint_converted_to_orbax_stays_name_based(capsys, tmp_path):
+def test_a_name_based_checkpoint_converted_to_orbax_stays_name_based(run, tmp_path):
     import jax.numpy as jnp
 
     import checkpoint
     import varstate
 
     dst = str(tmp_path / "orbax")
-    assert run(capsys, "convert", NAME_BASED, dst, "--to", "orbax")[0] == 0
+    assert run("convert", NAME_BASED, dst, "--to", "orbax")[0] == 0
     assert read_checkpoint(dst).object_graph is None  # as read_checkpoint documents for name-based checkpoints
     with pytest.raises(ValueError, match=r"is a name-based checkpoint \(no object graph\): restore it by variable "
                                          r"name with checkpoint\.restore_by_name"):
@@ -447,7 +445,7 @@ def _evil_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("terminal", [False, True])
-def test_control_characters_in_names_are_escaped_in_every_output_mode(capsys, monkeypatch, tmp_path, terminal):
+def test_control_characters_in_names_are_escaped_in_every_output_mode(run, monkeypatch, tmp_path, terminal):
     monkeypatch.setattr(cli_out, "is_terminal", lambda: terminal)
     flat, tree = _evil_checkpoints(tmp_path)
     other = str(tmp_path / "other")
@@ -455,7 +453,7 @@ def test_control_characters_in_names_are_escaped_in_every_output_mode(capsys, mo
     outputs = []
     for argv in (["inspect", flat], ["inspect", tree], ["inspect", flat, "--key", EVIL["osc"]],
                  ["diff", flat, other], ["diff", flat, other, "--only-diff"], ["diff", tree, flat]):
-        code, out, err = run(capsys, *argv)
+        code, out, err = run(*argv)
         assert code in (0, 1) and err == "", (argv, err)
         _no_terminal_controls(out)
         outputs.append(out)
@@ -465,19 +463,19 @@ def test_control_characters_in_names_are_escaped_in_every_output_mode(capsys, mo
     assert key.startswith(f"key: {ESCAPED['osc']}\n")
     assert ESCAPED["osc"] in only and ESCAPED["csi"] not in only  # only the key whose values differ
     # An error quoting a name: one line, escaped.
-    code, _, err = run(capsys, "inspect", flat, "--key", "missing\x1b]0;x\x07")
+    code, _, err = run("inspect", flat, "--key", "missing\x1b]0;x\x07")
     assert code == 2 and err.count("\n") == 1 and "\x1b" not in err and r"missing\x1b]0;x\x07" in err
 
 
-def test_json_output_escapes_every_control_character(capsys, tmp_path):
+def test_json_output_escapes_every_control_character(run, tmp_path):
     flat, tree = _evil_checkpoints(tmp_path)
     for argv in (["inspect", flat], ["inspect", tree], ["diff", flat, tree]):
-        code, out, _ = run(capsys, *argv, "--json")
+        code, out, _ = run(*argv, "--json")
         assert code in (0, 1) and out.isascii() and out.count("\n") == 1  # one line of ASCII: \u escapes
         keys = [k["key"] for k in json.loads(out)["keys" if argv[0] == "inspect" else "only_in_a"]]
         want = sorted(map(cli_escape, EVIL.values()) if argv[1] == tree else EVIL.values())
         assert [k.removesuffix(SUFFIX) for k in keys] == want  # the names come back exactly
-    code, out, _ = run(capsys, "inspect", flat, "--key", EVIL["c1"], "--json")
+    code, out, _ = run("inspect", flat, "--key", EVIL["c1"], "--json")
     assert code == 0 and out.isascii() and json.loads(out)["key"] == EVIL["c1"]
 
 
@@ -497,37 +495,37 @@ def _deep_checkpoint(tmp_path, depth=3000):
 
 
 @pytest.mark.parametrize("terminal", [False, True])
-def test_a_3000_level_object_graph_prints(capsys, monkeypatch, tmp_path, terminal):
+def test_a_3000_level_object_graph_prints(run, monkeypatch, tmp_path, terminal):
     monkeypatch.setattr(cli_out, "is_terminal", lambda: terminal)
     prefix, key = _deep_checkpoint(tmp_path)
     assert sys.getrecursionlimit() < 3000  # a recursive walk would fail
-    code, out, err = run(capsys, "inspect", prefix)
+    code, out, err = run("inspect", prefix)
     assert code == 0 and err == ""
     lines = out.splitlines()
     # Deeper than rich's tree can show, a terminal gets the indented text too.
     assert len(lines) == 3002 and lines[-1] == "1 values, 8 B"
     assert [len(ln) - len(ln.lstrip(" ")) for ln in lines[1:-1]] == [2 * (d + 1) for d in range(3000)]
     assert lines[-2].strip() == "a  float32 (2,) 8 B"
-    code, out, _ = run(capsys, "inspect", prefix, "--json")
+    code, out, _ = run("inspect", prefix, "--json")
     rows = json.loads(out)["objects"]
     assert code == 0 and [r["depth"] for r in rows] == list(range(3000)) and rows[-1]["values"][0]["key"] == key
-    assert run(capsys, "inspect", prefix, "--key", key[: -len(SUFFIX)])[0] == 0
-    assert run(capsys, "diff", prefix, prefix)[0] == 0
+    assert run("inspect", prefix, "--key", key[: -len(SUFFIX)])[0] == 0
+    assert run("diff", prefix, prefix)[0] == 0
 
 
-def test_a_recursion_error_anywhere_is_one_line(capsys, monkeypatch):
+def test_a_recursion_error_anywhere_is_one_line(run, monkeypatch):
     def too_deep(*args):
         raise RecursionError("maximum recursion depth exceeded")
 
     monkeypatch.setattr(cli_inspect, "_tree_rows", too_deep)
-    code, _, err = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"))
+    code, _, err = run("inspect", os.path.join(TF_DIR, "tf_object"))
     assert_one_line_error(code, err, r".*tf_object: its object graph nests too deeply for this command")
 
 
 # --- --json, --only-diff, --version ----------------------------------------------------------
-def test_inspect_json_lists_what_tf_wrote(capsys):
+def test_inspect_json_lists_what_tf_wrote(run):
     record = TF_EXPECTED["tf_object"]
-    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"), "--json")
+    code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_object"), "--json")
     assert code == 0
     data = json.loads(out)
     assert data["format"] == "TF object-based checkpoint" and data["values"] == len(record["tensors"])
@@ -539,32 +537,32 @@ def test_inspect_json_lists_what_tf_wrote(capsys):
         assert keys[key]["in_object_graph"] and keys[key]["slices"] == 0
     assert data["bytes"] == sum(k["bytes"] for k in keys.values())
     # The object rows are the text tree's lines: same order, same labels.
-    _, text, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_object"))
+    _, text, _ = run("inspect", os.path.join(TF_DIR, "tf_object"))
     assert [cli_inspect._row_label(r) for r in data["objects"]] == [ln.strip() for ln in text.splitlines()[1:-1]]
     reached = {v["key"] for r in data["objects"] for v in r.get("values", [])}
     assert reached == set(record["tensors"])
 
 
-def test_inspect_json_of_a_name_based_checkpoint_shows_slices(capsys):
+def test_inspect_json_of_a_name_based_checkpoint_shows_slices(run):
     record = TF_EXPECTED["tf_name"]
-    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_name"), "--json")
+    code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_name"), "--json")
     data = json.loads(out)
     assert code == 0 and data["objects"] is None and data["format"] == "TF name-based checkpoint"
     assert {k["key"]: k["slices"] for k in data["keys"]} == {k: len(record["slices"].get(k, []))
                                                              for k in record["tensors"]}
 
 
-def test_inspect_key_json(capsys):
+def test_inspect_key_json(run):
     name = "bert/embeddings/word_embeddings"
     value = expected(name)
-    code, out, _ = run(capsys, "inspect", NAME_BASED, "--key", name, "--json")
+    code, out, _ = run("inspect", NAME_BASED, "--key", name, "--json")
     data = json.loads(out)
     assert code == 0 and (data["key"], data["dtype"], data["shape"], data["bytes"]) == (name, "float32", [6, 4],
                                                                                         value.nbytes)
     assert (data["min"], data["max"]) == (float(value.min()), float(value.max()))
     assert data["mean"] == pytest.approx(value.astype(np.float64).mean(), rel=1e-12)
     assert data["first_values"] == value.ravel()[:10].tolist() and data["more_values"] is True
-    code, out, _ = run(capsys, "inspect", os.path.join(TF_DIR, "tf_low_precision", "ckpt"), "--key",
+    code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_low_precision", "ckpt"), "--key",
                        f"model/float8_e4m3fn{SUFFIX}", "--json")
     assert code == 0 and (json.loads(out)["min"], json.loads(out)["max"]) == (-2.0, 448.0)
 
@@ -580,9 +578,9 @@ def _diff_pair(tmp_path):
     return other, tensors
 
 
-def test_diff_json_reports_what_the_text_reports(capsys, tmp_path):
+def test_diff_json_reports_what_the_text_reports(run, tmp_path):
     other, tensors = _diff_pair(tmp_path)
-    code, out, _ = run(capsys, "diff", NAME_BASED, other, "--json")
+    code, out, _ = run("diff", NAME_BASED, other, "--json")
     data = json.loads(out)
     assert code == 1 and data["match"] is False and data["shared_keys"] == len(EXPECTED) - 1 and data["atol"] == 0
     assert data["only_in_a"] == [{"key": "scale", "dtype": "float64", "shape": [2]}]
@@ -597,33 +595,37 @@ def test_diff_json_reports_what_the_text_reports(capsys, tmp_path):
     assert set(values) == set(EXPECTED) - {"scale", "counts"}
 
 
-def test_diff_only_diff_lists_only_differing_values(capsys, tmp_path):
+def test_diff_only_diff_lists_only_differing_values(run, tmp_path):
     other, _ = _diff_pair(tmp_path)
-    _, full, _ = run(capsys, "diff", NAME_BASED, other)
-    code, out, _ = run(capsys, "diff", NAME_BASED, other, "--only-diff")
+    _, full, _ = run("diff", NAME_BASED, other)
+    code, out, _ = run("diff", NAME_BASED, other, "--only-diff")
     assert code == 1
     assert [ln.split() for ln in out.splitlines()] == [ln.split() for ln in full.splitlines()
                                                        if not ln.endswith(" match")]
     assert any(ln.startswith("cls/weights ") for ln in out.splitlines())
-    code, out, _ = run(capsys, "diff", NAME_BASED, other, "--only-diff", "--json")
+    code, out, _ = run("diff", NAME_BASED, other, "--only-diff", "--json")
     assert [v["key"] for v in json.loads(out)["values"]] == ["cls/weights"]
-    code, out, _ = run(capsys, "diff", NAME_BASED, NAME_BASED, "--only-diff")  # a match: only the verdict
+    code, out, _ = run("diff", NAME_BASED, NAME_BASED, "--only-diff")  # a match: only the verdict
     assert code == 0 and out == f"match ({len(EXPECTED)} shared keys, atol=0)\n"
 
 
-def test_diff_json_writes_nan_as_a_string(capsys, tmp_path):
+def test_diff_json_writes_nan_as_a_string(run, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     write_bundle(a, {"x": np.array([1.0, np.nan], np.float32)})
     write_bundle(b, {"x": np.array([1.0, 2.0], np.float32)})
-    code, out, _ = run(capsys, "diff", a, b, "--json")
+    code, out, _ = run("diff", a, b, "--json")
     assert code == 1 and json.loads(out)["values"] == [{"key": "x", "max_abs_diff": "nan", "match": False}]
 
 
-def test_version(capsys):
+def test_version(run):
     from importlib import metadata
 
-    code, out, _ = run(capsys, "--version")
+    code, out, _ = run("--version")
     assert code == 0 and out == f"varstate-ckpt {metadata.version('varstate')}\n"
+    # one version, pyproject.toml's, for the distribution and both packages
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[3] / "pyproject.toml").read_text())
+    assert varstate.__version__ == checkpoint.__version__ == metadata.version("varstate") == pyproject["project"][
+        "version"]
 
 
 def _imported(argv):

@@ -16,18 +16,12 @@ import numpy as np
 import pytest
 
 import checkpoint
-import checkpoint._cli._main as cli
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data", "tf_saved_model")
 with open(os.path.join(DATA, "expected.json")) as f:
     EXPECTED = json.load(f)
 SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
-
-def run(capsys, *argv):
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _value(e):
@@ -41,8 +35,8 @@ def _signatures(name):
 
 
 @pytest.mark.parametrize("name", ["module", "keras_export"])
-def test_inspect_json_reports_tags_signatures_variables_and_assets(capsys, name):
-    code, out, err = run(capsys, "inspect", os.path.join(DATA, name), "--json")
+def test_inspect_json_reports_tags_signatures_variables_and_assets(run, name):
+    code, out, err = run("inspect", os.path.join(DATA, name), "--json")
     assert code == 0 and err == ""
     got = json.loads(out)
     e = EXPECTED[name]
@@ -63,9 +57,9 @@ def test_inspect_json_reports_tags_signatures_variables_and_assets(capsys, name)
             assert kinds[node["path"]] == node["identifier"]
 
 
-def test_inspect_text(capsys):
+def test_inspect_text(run):
     path = os.path.join(DATA, "module")
-    code, out, err = run(capsys, "inspect", path)
+    code, out, err = run("inspect", path)
     assert code == 0 and err == ""
     lines = out.splitlines()
     e = EXPECTED["module"]
@@ -84,15 +78,15 @@ def test_inspect_text(capsys):
     assert f"asset vocab: {asset}" in lines
     with open(asset) as f:
         assert f.read() == e["assets"]["vocab"]["text"]
-    code, out, _ = run(capsys, "inspect", path, "--key", "sub/s")
+    code, out, _ = run("inspect", path, "--key", "sub/s")
     assert code == 0 and "key: sub/s/.ATTRIBUTES/VARIABLE_VALUE" in out.splitlines() and "min: 1.5" in out
 
 
 @pytest.mark.parametrize("to", ["tf", "orbax"])
-def test_convert_and_diff_read_its_variables(capsys, tmp_path, to):
+def test_convert_and_diff_read_its_variables(run, tmp_path, to):
     src = os.path.join(DATA, "module")
     dst = str(tmp_path / ("conv.ckpt" if to == "tf" else "conv"))
-    code, out, err = run(capsys, "convert", src, dst, "--to", to)
+    code, out, err = run("convert", src, dst, "--to", to)
     assert code == 0 and err == "", err
     name = os.path.basename(src)
     assert out.startswith(f"wrote {dst} ({to}): {len(EXPECTED[name]['variables'])} values")
@@ -101,15 +95,15 @@ def test_convert_and_diff_read_its_variables(capsys, tmp_path, to):
         got = reader.get(vpath + SUFFIX)
         want = _value(v)
         assert got.shape == want.shape and got.tolist() == want.tolist()
-    code, out, _ = run(capsys, "diff", src, dst)
+    code, out, _ = run("diff", src, dst)
     assert code == 0 and out.splitlines()[-1].startswith("match")
 
 
-def test_savedmodel_without_variables_is_one_line_error(capsys, tmp_path):
+def test_savedmodel_without_variables_is_one_line_error(run, tmp_path):
     copy = tmp_path / "sm"
     shutil.copytree(os.path.join(DATA, "module"), copy)
     shutil.rmtree(copy / "variables")
-    code, _, err = run(capsys, "convert", str(copy), str(tmp_path / "out"), "--to", "tf")
+    code, _, err = run("convert", str(copy), str(tmp_path / "out"), "--to", "tf")
     assert code == 2 and err == f"varstate-ckpt: error: {copy}: the SavedModel has no variables " \
                                 "(variables/variables.index is missing)\n"
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import checkpoint
-import checkpoint._cli._main as cli
 import checkpoint._cli._out as cli_out
 import varstate
 from checkpoint._export import _format
@@ -23,11 +22,6 @@ from checkpoint.protos import saved_object_graph_pb2 as pb
 
 BATCH = jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 3"), jnp.float32)
 
-
-def run(capsys, *argv):
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -48,8 +42,8 @@ def _spec(aval):
     return {"dtype": aval.dtype.name, "shape": [d if isinstance(d, int) else str(d) for d in aval.shape]}
 
 
-def test_inspect_export_json_matches_what_load_sees(capsys, exported):
-    code, out, err = run(capsys, "inspect", exported, "--json")
+def test_inspect_export_json_matches_what_load_sees(run, exported):
+    code, out, err = run("inspect", exported, "--json")
     assert code == 0 and err == ""
     data = json.loads(out)
     assert (data["format"], data["format_version"], data["path"]) == ("export", _format.VERSION, exported)
@@ -83,8 +77,8 @@ def test_inspect_export_json_matches_what_load_sees(capsys, exported):
                                                        {"list": [{"dtype": "int32", "shape": []}]}]}
 
 
-def test_inspect_export_text(capsys, exported):
-    code, out, _ = run(capsys, "inspect", exported)
+def test_inspect_export_text(run, exported):
+    code, out, _ = run("inspect", exported)
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == f"{exported}: export (format version {_format.VERSION})"
@@ -105,30 +99,30 @@ def test_inspect_export_text(capsys, exported):
     assert footer == f"{len(values)} values, {total} B"
 
 
-def test_inspect_export_rich_tree(capsys, monkeypatch, exported):
+def test_inspect_export_rich_tree(run, monkeypatch, exported):
     monkeypatch.setattr(cli_out, "is_terminal", lambda: True)
-    code, out, _ = run(capsys, "inspect", exported)
+    code, out, _ = run("inspect", exported)
     assert code == 0 and "├── dense  dict" in out and "signature serve: " in out
 
 
-def test_key_diff_and_convert_read_an_exports_variables(capsys, exported, tmp_path):
-    code, out, _ = run(capsys, "inspect", exported, "--key", "tied")
+def test_key_diff_and_convert_read_an_exports_variables(run, exported, tmp_path):
+    code, out, _ = run("inspect", exported, "--key", "tied")
     assert code == 0 and "first values: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]" in out
     again = checkpoint.export(tmp_path / "again", {"tied": varstate.Variable(jnp.arange(6.0).reshape(3, 2) + 1)})
-    code, out, _ = run(capsys, "diff", exported, again, "--only-diff", "--json")
+    code, out, _ = run("diff", exported, again, "--only-diff", "--json")
     data = json.loads(out)
     assert code == 1 and data["values"] == [{"key": "tied/.ATTRIBUTES/VARIABLE_VALUE", "max_abs_diff": 1.0,
                                              "match": False}]
     dst = str(tmp_path / "tf" / "ckpt")
-    assert run(capsys, "convert", exported, dst, "--to", "tf")[0] == 0
-    assert run(capsys, "diff", exported, dst)[0] == 0
+    assert run("convert", exported, dst, "--to", "tf")[0] == 0
+    assert run("diff", exported, dst)[0] == 0
 
 
-def test_inspect_refuses_what_load_refuses_in_one_line(capsys, exported):
+def test_inspect_refuses_what_load_refuses_in_one_line(run, exported):
     file = pathlib.Path(exported, "export.pb")
     assert b"dense/kernel" in file.read_bytes()
     file.write_bytes(file.read_bytes().replace(b"dense/kernel", b"dense/kerneL"))
-    code, _, err = run(capsys, "inspect", exported)
+    code, _, err = run("inspect", exported)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert re.fullmatch(r"varstate-ckpt: error: .*/m/export\.pb: does not match the sha256 at its end, .*\n", err)
     definition = pb.ExportDef.FromString(file.read_bytes())
@@ -136,6 +130,6 @@ def test_inspect_refuses_what_load_refuses_in_one_line(capsys, exported):
     name = sorted(definition.function_sha256)[0]
     definition.function_sha256[name] = b"\0" * 32
     file.write_bytes(_format.seal(definition.SerializeToString()))
-    code, _, err = run(capsys, "inspect", exported)
+    code, _, err = run("inspect", exported)
     assert code == 2 and re.fullmatch(rf"varstate-ckpt: error: .*/functions/{name}: the function file does not "
                                       r"match its sha256 in export\.pb .*\n", err)

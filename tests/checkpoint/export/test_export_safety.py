@@ -17,10 +17,9 @@ import pytest
 
 import checkpoint
 import varstate
-from checkpoint._export import _format, _load
+from checkpoint._export import _format, _jax_private, _load
 from checkpoint.protos import saved_object_graph_pb2 as pb
 from checkpoint.protos.versions_pb2 import VersionDef
-from varstate import _jax_compat, _seam
 
 BATCH = jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 3"), jnp.float32)
 MADE_UP = "varstate_test_no_such_kernel"
@@ -90,7 +89,7 @@ def _crafted(path, target=MADE_UP):
     disabled = [jax.export.DisabledSafetyCheck.custom_call(target)]
     crafted = jax.export.export(jax.jit(fn), disabled_checks=disabled)(captured, BATCH)
     assert crafted.in_tree == original.in_tree
-    assert set(_targets_in_text(crafted)) - _seam.stable_custom_call_targets() == {target}
+    assert set(_targets_in_text(crafted)) - _jax_private.stable_custom_call_targets() == {target}
     return crafted
 
 
@@ -117,7 +116,7 @@ def test_custom_calls_on_jaxs_allow_list_load_and_run(tmp_path):
     path = checkpoint.export(tmp_path / "m", root, {"solve": (solve, (jnp.ones(2), jnp.bool_(True)))})
     original = _original(path)
     assert sorted(_load.custom_call_targets(original, "here")) == _targets_in_text(original) != []
-    assert set(_targets_in_text(original)) <= _seam.stable_custom_call_targets()
+    assert set(_targets_in_text(original)) <= _jax_private.stable_custom_call_targets()
     b = jnp.array([9.0, 8.0])
     got = checkpoint.load(path).signatures["solve"](b, jnp.bool_(True))
     np.testing.assert_allclose(got, np.linalg.solve(np.asarray(root["a"].value), b), rtol=1e-6)
@@ -141,9 +140,9 @@ def test_a_jax_without_the_allow_list_is_named(exported, monkeypatch):
     want = (r"checkpoint's export needs jax internal jax\._src\.export\._export\._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE"
             rf", which JAX {re.escape(jax.__version__)} does not have; it is the list of custom calls a loaded "
             r"function may make\. Install a JAX release that has it")
-    with pytest.raises(_jax_compat.JaxInternalsError, match=want):
+    with pytest.raises(_jax_private.JaxInternalsError, match=want):
         checkpoint.load(exported)
-    with pytest.raises(_jax_compat.JaxInternalsError, match=r"jax\._src\.config\.hlo_source_file_canonicalization_"
+    with pytest.raises(_jax_private.JaxInternalsError, match=r"jax\._src\.config\.hlo_source_file_canonicalization_"
                                                              r"regex, .*keeps the exporting machine's directories out"):
         root = {"w": varstate.Variable(jnp.ones((3, 2))), "b": varstate.Variable(jnp.ones(2))}
         checkpoint.export(exported + "2", root, {"f": (_serve, (BATCH,))})

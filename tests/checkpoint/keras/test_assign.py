@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import varstate
-from checkpoint.keras import _weights as keras
+from checkpoint import keras
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data", "keras_weights")
 with open(os.path.join(DATA, "expected.json")) as f:

@@ -6,7 +6,6 @@ what Keras held after reading ours and taking K more steps (keras_roundtrip_read
 Keras's uninterrupted N+M+K steps.
 """
 
-import importlib.util
 import json
 import os
 
@@ -16,7 +15,7 @@ import pytest
 
 import checkpoint
 import varstate
-from checkpoint.keras import _weights as keras
+from checkpoint import keras
 from varstate.optimizers import keras as keras_opt
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data", "keras_optimizers")
@@ -26,17 +25,6 @@ STEPS = np.load(os.path.join(DATA, "steps.npz"))
 READBACK = np.load(os.path.join(DATA, "readback.npz"))
 NAMES = ("kernel", "bias", "emb")
 CONFIGS = sorted(META["configs"])
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "keras_roundtrip_readback", os.path.join(DATA, "..", "keras_roundtrip_readback.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-SCRIPT = _script()
 
 
 def _order(opt, n=3):
@@ -66,8 +54,8 @@ def _assert_state(opt, params, state, step, config):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_reads_keras3_checkpoint(config):
-    opt = SCRIPT.ours_optimizer(config, META)
+def test_reads_keras3_checkpoint(config, keras_readback):
+    opt = keras_readback.ours_optimizer(config, META)
     params, state = keras.load_optimizer_state(os.path.join(DATA, "keras3", config, "ckpt"), opt)
     assert [p.name for p in params] == list(NAMES)
     _assert_state(opt, params, state, META["n_first"] - 1, config)
@@ -75,11 +63,11 @@ def test_reads_keras3_checkpoint(config):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_round_trip_equals_keras_alone(config, tmp_path):
+def test_round_trip_equals_keras_alone(config, tmp_path, keras_readback):
     # Keras N steps -> varstate M steps (op by op) -> Keras K steps == Keras N+M+K steps, bit for bit.
-    params, state = SCRIPT.ours_continue(config, STEPS, META, str(tmp_path))
-    opt = SCRIPT.ours_optimizer(config, META)
-    _assert_state(opt, params, state, META["n_first"] + SCRIPT.M - 1, config)
+    params, state = keras_readback.ours_continue(config, STEPS, META, str(tmp_path))
+    opt = keras_readback.ours_optimizer(config, META)
+    _assert_state(opt, params, state, META["n_first"] + keras_readback.M - 1, config)
     # Our writer still writes what was handed to Keras: same files, byte for byte.
     for suffix in (".index", ".data-00000-of-00001"):
         with open(os.path.join(tmp_path, config, "ckpt" + suffix), "rb") as a, \
@@ -104,8 +92,8 @@ def test_written_layout_is_keras3s():
         k: v.replace("adam_1/", "adam/") for k, v in keras_names.items() if "/_variables/" in k}
 
 
-def test_params_given_get_the_checkpoint_values():
-    opt = SCRIPT.ours_optimizer("sgd_momentum", META)
+def test_params_given_get_the_checkpoint_values(keras_readback):
+    opt = keras_readback.ours_optimizer("sgd_momentum", META)
     template = {"a": varstate.Variable(jnp.zeros((3, 2)), name="dense/kernel"),
                 "b": varstate.Variable(jnp.zeros(2), name="dense/bias"),
                 "c": varstate.Variable(jnp.zeros((5, 3)), name="emb/embeddings"),
@@ -190,14 +178,14 @@ def test_reads_tf_keras2_checkpoint(config):
 
 
 @pytest.mark.parametrize("config", V2_CONFIGS)
-def test_tf_keras2_round_trip(config, tmp_path):
+def test_tf_keras2_round_trip(config, tmp_path, keras_readback):
     # tf.keras 2 -> varstate (Keras 3 numerics, M steps) -> tf.keras 2 layout -> tf-keras reads it, assert_consumed.
-    _, model, state = SCRIPT.ours_continue_v2(config, STEPS, META, str(tmp_path))
+    _, model, state = keras_readback.ours_continue_v2(config, STEPS, META, str(tmp_path))
     for suffix in (".index", ".data-00000-of-00001"):
         with open(os.path.join(tmp_path, config, "ckpt" + suffix), "rb") as a, \
                 open(os.path.join(DATA, "tf_keras2_ours", config, "ckpt" + suffix), "rb") as b:
             assert a.read() == b.read(), suffix
-    assert READBACK[f"v2/{config}/iter"] == META["n_first"] + SCRIPT.M
+    assert READBACK[f"v2/{config}/iter"] == META["n_first"] + keras_readback.M
     assert READBACK[f"v2/{config}/iter"].dtype == np.int64
     for n in NAMES:
         np.testing.assert_array_equal(READBACK[f"v2/{config}/param/{n}"], np.asarray(model[n].value))
@@ -226,12 +214,12 @@ def test_tf_keras2_errors(tmp_path):
 
 
 # --- Keras 3 .weights.h5 of a compiled model: optimizer/vars/N ----------------------------------------------------
-def test_weights_h5_round_trip(tmp_path):
+def test_weights_h5_round_trip(tmp_path, keras_readback):
     # Keras trains 3 steps, saves weights + Adam(amsgrad) state; varstate reads it, takes 2 steps op by op (equal to
     # Keras's own 2 steps, bit for bit), writes it back; Keras's model.load_weights reads exactly those values.
     from checkpoint.keras._optimizer import _trainable, h5_values
 
-    opt, weights, state = SCRIPT.ours_continue_h5(STEPS, str(tmp_path / "ours.weights.h5"))
+    opt, weights, state = keras_readback.ours_continue_h5(STEPS, str(tmp_path / "ours.weights.h5"))
     assert list(weights) == ["dense", "bn", "out"] and weights["bn"]["moving_mean"].trainable is False
     leaves, _, idx = _trainable(weights)
     assert [leaves[i].name for i in idx] == ["dense/kernel", "dense/bias", "bn/gamma", "bn/beta", "out/kernel",

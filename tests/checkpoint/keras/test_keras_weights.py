@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import varstate
-from checkpoint import CheckpointFormatError, write_name_based
+from checkpoint import CheckpointFormatError, keras, write_name_based
 from checkpoint._storage import write_bundle
-from checkpoint.keras import _weights as keras
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data", "keras_weights")

@@ -1,6 +1,6 @@
 """The orbax backend's fast paths (issue 15) give the bytes, checks and errors of the plain ones.
 
-- packs are laid out in one allocation per pack: the same bytes, offsets and
+- batches are laid out in one allocation per batch: the same bytes, offsets and
   checksums as values concatenated one after another with their padding;
 - `crc32c_spans` (one checksum per range of a buffer) equals `crc32c` of each slice;
 - large values restored onto a sharding this process holds are read by
@@ -23,24 +23,24 @@ from checkpoint._storage._crc import crc32c, crc32c_spans
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 
-def _reference_packs(values, pack_bytes):
-    """The pack layout written out the obvious way: values back to back, each padded to 64 bytes."""
-    packs, places, current, offset = [], [], [], 0
+def _reference_batches(values, batch_bytes):
+    """The batch layout written out the obvious way: values back to back, each padded to 64 bytes."""
+    batches, places, current, offset = [], [], [], 0
     for v in values:
         raw = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
-        if current and offset + raw.size > pack_bytes:
-            packs.append(np.concatenate(current) if offset else np.zeros(64, np.uint8))
+        if current and offset + raw.size > batch_bytes:
+            batches.append(np.concatenate(current) if offset else np.zeros(64, np.uint8))
             current, offset = [], 0
-        places.append((len(packs), offset, crc32c(raw.tobytes())))
+        places.append((len(batches), offset, crc32c(raw.tobytes())))
         pad = -(offset + raw.size) % 64
         current += [raw, np.zeros(pad, np.uint8)]
         offset += raw.size + pad
-    packs.append(np.concatenate(current) if offset else np.zeros(64, np.uint8))
-    return packs, places
+    batches.append(np.concatenate(current) if offset else np.zeros(64, np.uint8))
+    return batches, places
 
 
-@pytest.mark.parametrize("pack_bytes", [64 << 20, 1000, 1])
-def test_packs_hold_the_values_back_to_back_as_the_reference_layout(pack_bytes):
+@pytest.mark.parametrize("batch_bytes", [64 << 20, 1000, 1])
+def test_batches_hold_the_values_back_to_back_as_the_reference_layout(batch_bytes):
     values = [
         np.arange(5, dtype=np.float32),
         np.zeros((0, 3), np.float32),  # empty: takes no bytes
@@ -52,18 +52,18 @@ def test_packs_hold_the_values_back_to_back_as_the_reference_layout(pack_bytes):
         np.int64(9),
     ]
     tree, meta = _orbax_layout.layout({f"k{i}": v for i, v in enumerate(values)}, TrackableObjectGraph(),
-                                      pack_bytes=pack_bytes)
-    packs, places = _reference_packs(values, pack_bytes)
-    assert sorted(tree) == [f"p{i}" for i in range(len(packs))]
-    for i, pack in enumerate(packs):
-        assert tree[f"p{i}"].dtype == np.uint8 and tree[f"p{i}"].tobytes() == pack.tobytes(), i
-    assert meta["packs"] == [p.size for p in packs]
-    for i, (pack, offset, crc) in enumerate(places):
+                                      batch_bytes=batch_bytes)
+    batches, places = _reference_batches(values, batch_bytes)
+    assert sorted(tree) == [f"p{i}" for i in range(len(batches))]
+    for i, batch in enumerate(batches):
+        assert tree[f"p{i}"].dtype == np.uint8 and tree[f"p{i}"].tobytes() == batch.tobytes(), i
+    assert meta["packs"] == [p.size for p in batches]
+    for i, (batch, offset, crc) in enumerate(places):
         entry = meta["entries"][f"k{i}"]
-        assert (entry["pack"], entry["offset"], entry["crc32c"]) == (pack, offset, crc), i
+        assert (entry["pack"], entry["offset"], entry["crc32c"]) == (batch, offset, crc), i
 
 
-def test_only_empty_values_make_one_pack_of_padding():
+def test_only_empty_values_make_one_batch_of_padding():
     tree, meta = _orbax_layout.layout({"a": np.zeros(0, np.float32), "b": np.zeros((2, 0), np.int8)},
                                       TrackableObjectGraph())
     assert tree["p0"].tobytes() == bytes(64) and meta["packs"] == [64]
@@ -98,7 +98,7 @@ def _large(n, count):
 def test_many_large_values_stream_onto_their_shardings_in_order(tmp_path, monkeypatch):
     # Read-ahead of one value and opening batches of two: every branch of the read loop runs.
     monkeypatch.setattr(_orbax, "_READ_AHEAD", 1)
-    monkeypatch.setattr(_orbax, "_OPEN_BATCH", 2)
+    monkeypatch.setattr(_orbax, "_OPEN_AHEAD", 2)
     values = _large(300_000, 5)  # 1.2 MB each: each its own orbax array
     path = checkpoint.Checkpoint(**values).write(str(tmp_path / "c"))
     mesh = Mesh(np.array(jax.devices()), ("x",))

@@ -17,7 +17,7 @@ def _arrays():
         "small_bf16": np.arange(4).astype(ml_dtypes.bfloat16),
         "big": np.linspace(0, 1, big, dtype=np.float32),
         "big_f64": np.arange(big, dtype=np.float64),
-        "big_u4": (np.arange(2 * _orbax_layout.PACK_LIMIT) % 16).astype(ml_dtypes.uint4),  # widened for tensorstore
+        "big_u4": (np.arange(2 * _orbax_layout.BATCH_LIMIT) % 16).astype(ml_dtypes.uint4),  # widened for tensorstore
         "strided": np.arange(40, dtype=np.float32)[::2],  # not contiguous: copied for its bytes
         "fortran": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
     }

@@ -189,3 +189,16 @@ def test_checkpoint_save_format_tf_still_writes_what_tensorflow_restored(tmp_pat
     for key in verified.keys():
         assert (now.dtype(key), now.shape(key)) == (verified.dtype(key), verified.shape(key)), key
         np.testing.assert_allclose(now.get(key), verified.get(key), rtol=1e-6, err_msg=key)
+
+
+def test_the_one_open_reader_reads_the_variables_of_a_saved_model_and_of_an_export(tmp_path):
+    saved_model = os.path.join(os.path.dirname(DATA), "tf_saved_model", "module")
+    reader = read_checkpoint(saved_model)
+    assert reader.path == os.path.join(saved_model, "variables", "variables") and reader.keys()
+    assert reader.format_name == "TF object-based checkpoint" and reader.get_slices(reader.keys()[0]) == []
+    exported = checkpoint.export(str(tmp_path / "m"), {"w": varstate.Variable(jnp.arange(3.0))})
+    assert read_checkpoint(exported).get("w" + KEY).tolist() == [0.0, 1.0, 2.0]
+    shutil.copytree(saved_model, tmp_path / "bare", ignore=shutil.ignore_patterns("variables"))
+    with pytest.raises(FileNotFoundError, match=r"bare: the SavedModel has no variables \(variables/variables\.index "
+                                                r"is missing\)"):
+        read_checkpoint(str(tmp_path / "bare"))

@@ -8,7 +8,6 @@ import pytest
 
 from varstate import Registry, Variable
 from varstate.optimizers import Adam, GradientDescent
-from varstate.optimizers._core._step import _jitted_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,20 +24,20 @@ def _params():
     return {"w": Variable(jnp.ones(3), name="w", registry=Registry())}
 
 
-def test_extra_args_are_traced_into_update_without_recompiling():
+def test_extra_args_are_traced_into_update_without_recompiling(compiles):
     opt = ScaledDescent(0.5)
     params = _params()
     state = opt.init(params)
     params, state = opt.apply_gradients({"w": jnp.ones(3)}, params, state, scale=jnp.float32(2.0))
     np.testing.assert_array_equal(params["w"].value, np.ones(3) - 0.5 * 2.0)
-    compiled = _jitted_update._cache_size()
+    compiled = compiles("_flat_step")
     params, state = opt.apply_gradients({"w": jnp.ones(3)}, params, state, scale=jnp.float32(0.5),
                                         extra={"shift": jnp.float32(1.0)})
     params, state = opt.apply_gradients({"w": jnp.ones(3)}, params, state, scale=jnp.float32(4.0),
                                         extra={"shift": jnp.float32(-1.0)})
     # 0 - 0.5 * (0.5 + 1) - 0.5 * (4 - 1): the values arrive traced (a Python side never sees them)
     np.testing.assert_allclose(params["w"].value, np.full(3, 0.0 - 0.75 - 1.5))
-    assert _jitted_update._cache_size() == compiled + 1  # once for the new `extra` structure, not per value
+    assert compiles("_flat_step") == compiled + 1  # once for the new `extra` structure, not per value
 
 
 def test_update_takes_them_too():

@@ -35,7 +35,6 @@ from varstate.optimizers import (
     from_optax,
 )
 from varstate.optimizers._core._packed import FUSE_MAX_SIZE
-from varstate.optimizers._core._step import _jitted_update
 
 sys.path.insert(0, os.path.dirname(__file__))
 from optimizer_cases import pick
@@ -120,7 +119,7 @@ def test_fused_steps_within_one_ulp_per_step_of_unfused(name):
 
 
 @pytest.mark.parametrize("name", ["adam", "keras_lion", "loss_scale_adam"])
-def test_fused_step_compiles_once_donates_and_keeps_identities(name):
+def test_fused_step_compiles_once_donates_and_keeps_identities(name, compiles):
     opt = OPTIMIZERS[name]()
     params = _model("a/")
     state = opt.init(params, fused=True)
@@ -130,12 +129,12 @@ def test_fused_step_compiles_once_donates_and_keeps_identities(name):
     buffers = [b for bs in state.packed.values() for b in bs]
     params, state = opt.apply_gradients(grads, params, state)
     assert all(b.is_deleted() for b in buffers)
-    compiled = _jitted_update._cache_size()
+    compiled = compiles("_flat_step")
     for _ in range(2):
         params, state = opt.apply_gradients(grads, params, state)
     fresh = _model("b/")  # a freshly built identical model reuses the compiled fused step
     fresh, fresh_state = opt.apply_gradients(_grads(0, fresh), fresh, opt.init(fresh, fused=True))
-    assert _jitted_update._cache_size() == compiled
+    assert compiles("_flat_step") == compiled
     assert fresh_state.get_slot(fresh["small"][0], state.get_slot_names()[0]).name.startswith("b/s0/")
     for n, ids in slot_ids.items():
         assert [s.resource_id for s in jax.tree.leaves(state.slots[n], is_leaf=lambda x: isinstance(x, Variable))
@@ -304,3 +303,22 @@ def test_partitioned_variables_shards_pack_and_save_as_unfused(tmp_path):
     assert "model/emb/1/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE" in saved[True]
     for k, v in saved[False].items():
         np.testing.assert_array_equal(saved[True][k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["adam", "rmsprop"])
+def test_update_under_a_callers_jit_steps_a_fused_state_through_views_of_its_buffers(name):
+    opt = OPTIMIZERS[name]()
+    runs = []
+    for how in ("apply_gradients", "update"):
+        params = _model(f"{how}/")
+        state = opt.init(params, fused=True)
+        for t in range(2):
+            grads, step = _grads(t, params), jnp.asarray(t)
+            if how == "update":  # the state's slots are views of its buffers; replace packs the new ones
+                params, state = jax.jit(opt.update)(grads, params, state, step)
+            else:
+                params, state = opt.apply_gradients(grads, params, state, step=step)
+        assert state.fused and [b.shape for b in state.packed[state.get_slot_names()[0]]] == [(65,), (8,)]
+        runs.append(_values(params, state))
+    for a, b in zip(*runs, strict=True):
+        assert _ulps_of_largest(a, b) <= 2, (name, a, b)  # the bound of the test above, for 2 steps

@@ -109,6 +109,27 @@ def test_fixed_scale():
     assert w2.value.tolist() == [0.5, 0.5]
 
 
+def test_loss_scale_follows_keras_closed_form():
+    # Keras: 2**15 at first; halved by a step with a non-finite gradient (not below 1); doubled after
+    # growth_interval finite steps in a row. Fixed: initial_scale whatever the state.
+    w = varstate.Variable(jnp.ones(2), name="ls_w")
+    opt = LossScaleOptimizer(GradientDescent(0.5), growth_interval=2)
+    params, state = [w], opt.init([w])
+    seen = [opt.loss_scale(state).item()]  # read now: the next step donates the state's arrays
+    for grad in (jnp.inf, 1.0, 1.0, 1.0, jnp.nan, 1.0, 1.0):
+        params, state = opt.apply_gradients([jnp.full(2, grad)], params, state)
+        seen.append(opt.loss_scale(state).item())
+    assert seen == [2.0**15, 2.0**14, 2.0**14, 2.0**15, 2.0**15, 2.0**14, 2.0**14, 2.0**15]
+    assert opt.loss_scale(state).dtype == jnp.float32 and opt.loss_scale(state).shape == ()
+    assert jax.jit(opt.loss_scale)(state).item() == 2.0**15
+    ones = LossScaleOptimizer(GradientDescent(0.5), initial_scale=1.0)
+    u = varstate.Variable(jnp.ones(2), name="ls_u")
+    _, one_state = ones.apply_gradients([jnp.full(2, jnp.inf)], [u], ones.init([u]))
+    assert ones.loss_scale(one_state).item() == 1.0  # never below 1
+    fixed = LossScaleOptimizer(GradientDescent(0.5), dynamic=False, initial_scale=3)
+    assert fixed.loss_scale(fixed.init([w])).dtype == jnp.float32 and fixed.loss_scale(None).item() == 3.0
+
+
 def test_constructor_errors_as_keras():
     with pytest.raises(TypeError, match=r"inner_optimizer must be a varstate.optimizers.Optimizer, got str"):
         LossScaleOptimizer("sgd")

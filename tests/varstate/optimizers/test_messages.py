@@ -88,3 +88,10 @@ def test_from_optax_of_a_factory_says_call_it():
     with pytest.raises(TypeError, match=r"from_optax: expected an optax GradientTransformation \(with init and "
                                         r"update\), got int"):
         from_optax(3)
+
+
+def test_from_optax_init_refuses_stepped_and_says_why():
+    with pytest.raises(TypeError, match=r"^from_optax\(\.\.\.\)\.init: stepped= leaves the slots of unstepped params "
+                                        r"out, as TF does; an optax transformation's init makes its state for every "
+                                        r"param\. Call init\(params\) without stepped=\.$"):
+        from_optax(optax.sgd(0.1)).init([jnp.zeros(2)], stepped=[False])

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 import varstate
 from varstate import IndexedSlices, Variable
 from varstate.optimizers import Adam, Momentum
-from varstate.optimizers._core._step import _jitted_update
 
 sys.path.insert(0, os.path.dirname(__file__))
 from optimizer_cases import pick
@@ -41,7 +40,7 @@ def _slots(state):
 
 @pytest.mark.parametrize("axes", sorted(AXES))
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_params_and_slots_keep_the_params_sharding_whatever_the_gradients(name, axes):
+def test_params_and_slots_keep_the_params_sharding_whatever_the_gradients(name, axes, compiles):
     mesh = _mesh(axes)
     at = NamedSharding(mesh, P(None, "model"))
     opt = OPTIMIZERS[name]()
@@ -57,10 +56,10 @@ def test_params_and_slots_keep_the_params_sharding_whatever_the_gradients(name, 
     for step in range(3):
         params, state = opt.apply_gradients(grads, params, state)
         if step == 0:
-            compiled = _jitted_update._cache_size()
+            compiled = compiles("_flat_step")
             for k in params:  # the same numbers as on one device
                 np.testing.assert_allclose(params[k].value, reference[k].value, rtol=1e-6)
-    assert _jitted_update._cache_size() == compiled  # no recompile after the first step
+    assert compiles("_flat_step") == compiled  # no recompile after the first step
     for k, v in params.items():
         assert v.sharding.is_equivalent_to(at, 2) and v.sharding.mesh == mesh, (k, v.sharding)
     for s in _slots(state):
@@ -122,7 +121,7 @@ def test_inputs_on_different_devices_are_named_and_a_state_per_device_steps_them
 
 
 @pytest.mark.parametrize("where", ["device 1", "mesh"])
-def test_a_global_step_made_on_device_0_joins_params_placed_elsewhere_with_one_compile(where):
+def test_a_global_step_made_on_device_0_joins_params_placed_elsewhere_with_one_compile(where, compiles):
     # TF runs the increment on the global step's own device; here it joins the step's devices once (replicated
     # over a mesh), as jit's outputs are placed, so step 2 runs the same executable as step 1.
     if where == "mesh":
@@ -136,9 +135,9 @@ def test_a_global_step_made_on_device_0_joins_params_placed_elsewhere_with_one_c
     assert not global_step.value.committed and global_step.value.sharding.device_set == {jax.devices()[0]}
     opt = Adam(0.1)
     params, state = [w], opt.init([w])
-    compiled = _jitted_update._cache_size()
+    compiled = compiles("_flat_step")
     for _ in range(3):
         params, state, global_step = opt.apply_gradients([jnp.ones(8)], params, state, global_step=global_step)
-    assert _jitted_update._cache_size() == compiled + 1
+    assert compiles("_flat_step") == compiled + 1
     assert int(global_step.value) == 3 and global_step.value.sharding == want
     assert params[0].value.sharding == value.sharding

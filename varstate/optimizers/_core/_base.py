@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
+from varstate._jax_compat import in_transformation
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers._core import _packed, _step
 from varstate.optimizers._core._matching import (
@@ -28,17 +29,19 @@ from varstate.optimizers._core._matching import (
     flatten_grads,
     gradients_by_owner,
     is_var,
+    key_name,
     owner_positions,
 )
 from varstate.optimizers._core._messages import checked_new
 from varstate.optimizers._core._rows import _dedupe
 from varstate.optimizers._core._slots import (
     Existing,
+    StateMismatchError,
     check_non_slots,
     check_slots,
     filled_slot,
+    non_slot_home,
     param_want,
-    scalar_placement,
 )
 from varstate.optimizers._core._state import OptimizerState
 
@@ -106,8 +109,11 @@ class Optimizer:
 
     _dedup: ClassVar[bool] = True
     _hyper_names: ClassVar[tuple[str, ...]] = ()
-    # A misspelled keyword (beta_1, lr) raises a TypeError naming the closest fields, not dataclass's bare one.
-    __new__ = checked_new
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # A misspelled keyword (beta_1, lr) raises a TypeError naming the closest fields, not dataclass's bare one.
+        # A method, not an assigned function: type checkers then check a call against the class's own __init__.
+        return checked_new(cls, *args, **kwargs)
 
     def __post_init__(self) -> None:
         for name in self._hyper_names:
@@ -168,9 +174,9 @@ class Optimizer:
         trainable, on one device or replicated) into one buffer per dtype and
         sharding, and each step updates a buffer with one computation: for
         many small tensors that is several times faster
-        (``benchmarks/optimizers.py``), with the same numbers as the unfused
-        step (bit for bit, or within 1 ulp per step for RMSProp, Lion and
-        Nadam). Everything else still sees
+        (``benchmarks/optimizers.py``), with the unfused step's numbers
+        (within one ulp of each array's largest element per step: XLA may
+        vectorise the two loops differently). Everything else still sees
         per-variable slots (``state.slots``, `get_slot`, checkpoint keys,
         restore). Default: the given state's layout, else unfused.
 
@@ -195,7 +201,7 @@ class Optimizer:
         wanted = _stepped_mask(stepped, params, paths, owners)
         slots = {}
         for slot_name, fill in self._slot_inits().items():
-            made = []
+            made: list[Any] = []
             for i, p in enumerate(leaves):
                 if isinstance(p, Variable) and not p.trainable:
                     made.append(None)
@@ -207,15 +213,14 @@ class Optimizer:
                         kept = filled_slot(p, slot_name, fill)
                     made.append(kept)  # None: not stepped yet, so no slot (TF makes none either)
             slots[slot_name] = p_def.unflatten(made)
-        for name in existing.names:  # another optimizer's slots: carried as they are
-            slots.setdefault(name, state.slots[name])
+        if state is not None:
+            for name in existing.names:  # another optimizer's slots: carried as they are
+                slots.setdefault(name, state.slots[name])
         non_slots = dict(existing.non_slots)
-        first = next((p for p in leaves if isinstance(p, Variable)), None)
-        registry = first.handle.registry if first is not None else None
-        placement = scalar_placement(first)
-        for name, value in self._non_slot_inits().items():
+        registry, placement = non_slot_home(leaves)
+        for name, initial in self._non_slot_inits().items():
             if name not in non_slots:
-                value = jnp.asarray(value, jnp.float32, device=placement)
+                value = jnp.asarray(initial, jnp.float32, device=placement)
                 non_slots[name] = owning_variable(value, name=name, trainable=False, registry=registry)
         if fused is None:
             fused = state is not None and state.fused
@@ -288,20 +293,9 @@ class Optimizer:
             step = step.read_value()
         h = self.hyperparameters(step)
         new_p = list(p_leaves)
-        # A fused state's packed places keep their markers; the buffers are updated by group (_packed).
-        stored = {n: state._stored[n].leaves() if n in state.packed else slot_leaves[n] for n in slot_names}
-        new_slots = {n: list(stored[n]) for n in slot_names}
-        packed = {n: state.packed[n] for n in slot_names if n in state.packed}
-        fused_values: dict = {}
-        if packed and len(packed) == len(slot_names):
-            fused_values, packed = _packed.fused_step(
-                self, h, work, p_leaves, stored[slot_names[0]], owners, packed, non_slots)
+        new_slots = {n: list(slot_leaves[n]) for n in slot_names}
         for i, g in work.items():
             p = p_leaves[i]
-            if i in fused_values:
-                var = cast_like(fused_values[i], array_of(p))
-                new_p[i] = p._with_value(var) if isinstance(p, Variable) else var
-                continue
             var = array_of(p)
             slots = {n: array_of(slot_leaves[n][i]) for n in slot_names}
             if isinstance(g, IndexedSlices):
@@ -311,28 +305,21 @@ class Optimizer:
                 var, slots = self._sparse(h, values, indices, var, slots, non_slots)
             else:
                 var, slots = self._dense(h, g, var, slots, non_slots)
-            var = cast_like(var, array_of(p))
-            new_p[i] = p._with_value(var) if isinstance(p, Variable) else var
-            mark = stored[slot_names[0]][i] if slot_names else None
-            if isinstance(mark, _packed.PackedSlot):  # a sparse step of a packed param: into its slices
-                packed = _packed.write_back(packed, mark, slots)
-                continue
+            new_p[i] = _with_value(p, cast_like(var, array_of(p)))
             for n in slot_names:
-                s, value = slot_leaves[n][i], cast_like(slots[n], array_of(p))
-                new_slots[n][i] = s._with_value(value) if isinstance(s, Variable) else value
+                new_slots[n][i] = _with_value(slot_leaves[n][i], cast_like(slots[n], array_of(p)))
         for j, i in enumerate(owners):
             if i != j and i in work:
                 new_p[j] = new_p[i]
                 for n in slot_names:
                     new_slots[n][j] = new_slots[n][i]
         non_slots = self._finish(h, non_slots)
-        state = OptimizerState(
-            # Slots of another optimizer's (kept by init(params, state)) pass through untouched.
-            {**state._stored, **{n: _packed.rebuild(p_def, new_slots[n], state._stored[n]) for n in slot_names}},
-            {k: v._with_value(non_slots[k]) for k, v in state.non_slots.items()},
-            {**state.packed, **packed},
+        # Slots of another optimizer's (kept by init(params, state)) pass through untouched; a fused state packs
+        # the new slots into its buffers (`OptimizerState.replace`).
+        return p_def.unflatten(new_p), state.replace(
+            slots={**state.slots, **{n: p_def.unflatten(new_slots[n]) for n in slot_names}},
+            non_slots={k: v._with_value(non_slots[k]) for k, v in state.non_slots.items()},
         )
-        return p_def.unflatten(new_p), state
 
     def apply_gradients(
         self, grads: Any, params: Any, state: OptimizerState, step: Any = None, *, global_step: Any = None,
@@ -376,7 +363,13 @@ class Optimizer:
         """
         if extra_args and type(self).update is Optimizer.update:
             self._refuse_extra_args(extra_args)  # before the trace: nothing donated, no JAX frames in the message
-        return _step.apply_jitted(self, grads, params, state, step, global_step, extra_args)
+        try:
+            return _step.apply_jitted(self, grads, params, state, step, global_step, extra_args)
+        except StateMismatchError:
+            if in_transformation():
+                raise  # under a caller's trace no Variable can be made; the message says what to do
+            # Params without state: created outside jit, as TF's optimizers create missing slots; then the step.
+            return _step.apply_jitted(self, grads, params, self.init(params, state), step, global_step, extra_args)
 
     def _refuse_extra_args(self, extra_args: dict) -> None:
         """TypeError naming the first extra argument: the TF optimizers' update takes none."""
@@ -403,17 +396,14 @@ class Optimizer:
         return to_optax(self)
 
 
+def _with_value(x: Any, value: Any) -> Any:
+    """A new version of the Variable `x` holding `value`; a plain-array param or slot is the value itself."""
+    return x._with_value(value) if isinstance(x, Variable) else value
+
+
 def _path_name(path: tuple) -> str:
     """A param's key path as ``stepped=``'s callable sees it: its keys joined by ``/`` (``dense/kernel``)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+    return "/".join(map(key_name, path))
 
 
 def _stepped_mask(stepped: Any, params: Any, paths: list, owners: list[int]) -> list[bool]:

@@ -26,12 +26,16 @@ def is_var(x: Any) -> bool:
     return isinstance(x, Variable)
 
 
-def _is_grad_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, (Variable, IndexedSlices))
-
-
 def array_of(p: Any) -> Any:
     return p._value if isinstance(p, Variable) else p
+
+
+def key_name(k: Any) -> str:
+    """One key of a key path as a plain name: a dict key, an index, an attribute's name."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
 
 
 def path_label(path: tuple, p: Any) -> str:
@@ -62,37 +66,50 @@ def cast_like(new: Any, param: Any) -> Any:
     return jax.sharding.reshard(new, want)
 
 
-def _first_difference(grads: Any, params: Any) -> str:
-    """The first key path present in one tree and not in the other, as a readable string."""
-    def paths(tree, is_leaf):
-        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+def first_difference(a: Any, b: Any, names: tuple[str, str] = ("grads", "params"),
+                     items: tuple[str, str] = ("param", "gradient")) -> str:
+    """The first place where two trees differ (a key path, a container's type, a Variable), as a readable string."""
+    def flat(tree):
+        return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree, _is_leaf)[0]]
 
-    g_paths, p_paths = paths(grads, _is_grad_leaf), paths(params, is_var)
-    for gp, pp in zip(g_paths, p_paths, strict=False):
-        if gp != pp:
-            return f"grads{gp or '<root>'} vs params{pp or '<root>'}"
-    if len(g_paths) > len(p_paths):
-        return f"grads{g_paths[len(p_paths)]} has no matching param"
-    if len(p_paths) > len(g_paths):
-        return f"params{p_paths[len(g_paths)]} has no matching gradient"
-    return _container_difference(grads, params, "") or "a container's static data differs (same keys)"
+    a_flat, b_flat = flat(a), flat(b)
+    for (at, _), (bt, _) in zip(a_flat, b_flat, strict=False):
+        if at != bt:
+            return f"{names[0]}{at or '<root>'} vs {names[1]}{bt or '<root>'}"
+    if len(a_flat) != len(b_flat):
+        (longer, name, item), n = ((a_flat, names[0], items[0]) if len(a_flat) > len(b_flat) else
+                                   (b_flat, names[1], items[1])), min(len(a_flat), len(b_flat))
+        return f"{name}{longer[n][0]} has no matching {item}"
+    found = _container_difference(a, b, "", names)
+    for (at, x), (_, y) in zip(a_flat, b_flat, strict=True):
+        if found is None and (is_var(x) != is_var(y) or (is_var(x) and x.resource_id != y.resource_id)):
+            found = f"{names[0]}{at or '<root>'} is {_what(x)} where {names[1]}{at or '<root>'} is {_what(y)}"
+    return found or "a container's static data differs (same keys)"
 
 
-def _container_difference(grads: Any, params: Any, at: str) -> str | None:
+def _is_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (Variable, IndexedSlices))
+
+
+def _what(x: Any) -> str:
+    return f"Variable {x.name!r}" if isinstance(x, Variable) else f"a {type(x).__name__}"
+
+
+def _container_difference(a: Any, b: Any, at: str, names: tuple[str, str]) -> str | None:
     """Where two trees with the same key paths differ in a container's type (a list for a tuple), or None."""
-    def is_leaf(x, leaf):
-        return leaf(x) or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+    def is_leaf(x):
+        return _is_leaf(x) or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
-    if is_leaf(grads, _is_grad_leaf) or is_leaf(params, is_var):
+    if is_leaf(a) or is_leaf(b):
         return None
-    if type(grads) is not type(params):
-        return f"grads{at} is a {type(grads).__name__} where params{at} is a {type(params).__name__}"
+    if type(a) is not type(b):
+        return f"{names[0]}{at} is a {type(a).__name__} where {names[1]}{at} is a {type(b).__name__}"
 
     def children(x):  # one level down, with the key of each child
         return jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
 
-    for (path, g), (_, p) in zip(children(grads), children(params), strict=False):
-        found = _container_difference(g, p, at + jax.tree_util.keystr(path))
+    for (path, x), (_, y) in zip(children(a), children(b), strict=False):
+        found = _container_difference(x, y, at + jax.tree_util.keystr(path), names)
         if found:
             return found
     return None
@@ -106,7 +123,7 @@ def flatten_grads(grads: Any, params: Any) -> tuple[list, list, Any, list]:
     except (ValueError, TypeError):
         raise ValueError(
             f"apply_gradients: grads do not have the structure of params; first difference: "
-            f"{_first_difference(grads, params)}. Pass grads with exactly the structure of params "
+            f"{first_difference(grads, params)}. Pass grads with exactly the structure of params "
             "(None for a param without gradient)."
         ) from None
     paths = [p for p, _ in flat]
@@ -231,20 +248,6 @@ def _validate_grads(grads: Any, params: Any) -> None:
             convert_grad(g, array_of(p), path_label(paths[i], p))
 
 
-# grads treedef -> positions (in jax.tree.leaves(grads)) of IndexedSlices indices, or () when none.
-_SPARSE_POSITIONS: dict[Any, tuple[int, ...]] = {}
-
-
-def _sparse_positions(g_def: Any, grads: Any) -> tuple[int, ...]:
-    """Where IndexedSlices indices sit among grads' leaves (cached by grads' treedef `g_def`)."""
-    positions = _SPARSE_POSITIONS.get(g_def)
-    if positions is None:
-        positions = tuple(i for i, m in enumerate(jax.tree.leaves(_mark_indices(grads))) if m)
-        if len(_SPARSE_POSITIONS) < 1024:
-            _SPARSE_POSITIONS[g_def] = positions
-    return positions
-
-
 def _check_sparse_indices(grads: Any, params: Any) -> None:
     """Checks concrete IndexedSlices indices before jit, where they are still visible."""
     try:
@@ -254,12 +257,3 @@ def _check_sparse_indices(grads: Any, params: Any) -> None:
     for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
         if isinstance(g, IndexedSlices) and hasattr(array_of(p), "shape") and array_of(p).ndim:
             check_indices_range(array_of(g.indices), array_of(p).shape[0], path_label(paths[i], p))
-
-
-def _mark_indices(grads: Any) -> Any:
-    """grads with each leaf replaced by True where it is an IndexedSlices' indices, else False."""
-    def mark(x):
-        if isinstance(x, IndexedSlices):
-            return IndexedSlices(jax.tree.map(lambda _: False, x.values), True, x.dense_shape)
-        return jax.tree.map(lambda _: False, x)
-    return jax.tree.map(mark, grads, is_leaf=_is_grad_leaf)

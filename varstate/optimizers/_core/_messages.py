@@ -2,7 +2,7 @@
 
 An optimizer is a dataclass; its generated ``__init__`` raises a bare
 ``TypeError: __init__() got an unexpected keyword argument 'beta_1'``.
-`checked_new`, installed as ``Optimizer.__new__``, runs first with the same
+`checked_new`, called by ``Optimizer.__new__``, runs first with the same
 arguments and raises instead a TypeError naming the class, the closest
 fields (`difflib`) and all of them.
 """
@@ -21,15 +21,8 @@ _ALIASES = {
     "initial_accumulator": "initial_accumulator_value",
 }
 
-_fields: dict[type, tuple[str, ...]] = {}
-
-
 def _init_fields(cls: type) -> tuple[str, ...]:
-    names = _fields.get(cls)
-    if names is None:
-        names = tuple(f.name for f in dataclasses.fields(cls) if f.init) if dataclasses.is_dataclass(cls) else ()
-        _fields[cls] = names
-    return names
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init) if dataclasses.is_dataclass(cls) else ()
 
 
 def unexpected_keyword(cls: type, keyword: str) -> TypeError:
@@ -62,9 +55,8 @@ def checked_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     Traceback (most recent call last):
     TypeError: Hooked() got an unexpected keyword argument 'lr': did you mean learning_rate? ...
     """
-    if kwargs:
-        fields = _init_fields(cls)
-        for keyword in kwargs:
-            if fields and keyword not in fields:
-                raise unexpected_keyword(cls, keyword)
+    fields = _init_fields(cls) if kwargs else ()
+    for keyword in kwargs:
+        if fields and keyword not in fields:
+            raise unexpected_keyword(cls, keyword)
     return object.__new__(cls)

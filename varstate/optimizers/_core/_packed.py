@@ -4,9 +4,14 @@ A step over a thousand 16x4 params is a thousand tiny kernels per slot,
 each costing more in launch and loop overhead than in arithmetic; one
 update over a packed buffer costs one kernel (PyTorch's fused/foreach
 optimizers and `optax.flatten` exist for the same reason). Only the slots
-are packed: params stay the caller's per-variable arrays, so a fused step
-concatenates the gradients and values of a group, runs the optimizer's
-elementwise `_dense` once, and slices the new values back out.
+are packed: params stay the caller's per-variable arrays. The unfused engine
+does not know about packing: the jitted step runs an optimizer's `update`
+through `fused_update`, which hands it each group as one flat param whose
+slots are the buffers (one elementwise computation per group, where the
+params' own would be a kernel per param) and slices the results back.
+Elsewhere (`update` under a caller's own jit, `get_slot`, checkpoints) the
+state shows its slots as views of the buffers (`OptimizerState.slots`), and
+`OptimizerState.replace` packs given slots into new buffers.
 
 Layout: `OptimizerState.packed[slot name]` is a tuple of 1-D buffers, one
 per group (params of one dtype and one sharding: one device, or replicated). The slot tree of a packed
@@ -28,7 +33,7 @@ import numpy as np
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import Tracer
 from varstate._variable import Variable
-from varstate.optimizers._core._matching import array_of
+from varstate.optimizers._core._matching import array_of, cast_like, flatten_grads, gradients_by_owner, owner_positions
 
 # Largest param (in elements) whose slots are packed. Above it a tensor's own kernels are already long enough
 # that launch overhead is small, and packing would add a copy of its gradient and value per step
@@ -84,6 +89,12 @@ class Layout:
         return self is other or (isinstance(other, Layout) and self._hash == other._hash
                                  and self.p_def == other.p_def and self.marks == other.marks)
 
+    def signature(self, position: Any) -> tuple:
+        """This layout without identities (the jitted step's key): each slot's primary by `position(resource id)`."""
+        return Layout, self.p_def, tuple(None if m is None else (
+            m.group, m.offset, m.shape, None if m.slot is None else position(m.slot.handle.slot_of),
+            None if m.slot is None else m.slot.handle.slot_name) for m in self.marks)
+
 
 class PackedTree:
     """A packed slot name's tree: the unpacked slots (children, in leaf order) and the `Layout`."""
@@ -115,11 +126,6 @@ jax.tree_util.register_pytree_with_keys(
     lambda layout, loose: PackedTree(layout, loose),
     lambda t: (t.loose, t.layout),
 )
-
-
-def rebuild(p_def: Any, leaves: list, like: Any) -> Any:
-    """A slot tree of `leaves` (in params' order) built as `like` is: a `PackedTree` keeps its layout."""
-    return PackedTree.build(p_def, leaves, like.layout) if isinstance(like, PackedTree) else p_def.unflatten(leaves)
 
 
 def is_slot_leaf(x: Any) -> bool:
@@ -236,54 +242,77 @@ def repack(stored: dict[str, Any], packed: dict[str, tuple], slots: dict[str, An
     return out_stored, out_packed
 
 
-def fused_step(opt: Any, h: dict, work: dict, p_leaves: list, marks: list, owners: list[int], packed: dict,
-               non_slots: dict) -> tuple[dict, dict]:
-    """One `_dense` per packed group over the members with a dense gradient now: ({leaf: new value}, new packed).
+def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, extra: dict) -> tuple[Any, Any]:
+    """`update` (an optimizer's) over a fused state, one elementwise computation per packed group.
 
-    `marks` are the stored leaves of one packed slot tree, in params' order.
-    A member without a dense gradient (None, or `IndexedSlices`: TF's sparse
-    kernels differ) keeps its slots: the buffers are masked there, and the
-    caller steps a sparse member on its own.
+    `update` sees a problem without packing: the params not packed, as given,
+    with their slots; per group one plain-array param, its members' values
+    concatenated, with their gradients (zeros for a member without a dense
+    one) and the buffers as its slots; a member with an `IndexedSlices`
+    gradient (TF's sparse kernels differ) as itself with views of its slices.
+    The results go back into place: the members' slices of the new values,
+    the new buffers (kept where a member had no dense gradient), a sparse
+    member's new slots written into its slices.
     """
-    names = list(packed)
-    members: dict[int, list[tuple[int, PackedSlot]]] = {}
-    for i, mark in enumerate(marks):
-        if isinstance(mark, PackedSlot) and owners[i] == i:
-            members.setdefault(mark.group, []).append((i, mark))
-    new_values, new_packed = {}, {n: list(bs) for n, bs in packed.items()}
-    for g, group in members.items():
-        group.sort(key=lambda x: x[1].offset)
-        live = [(i, m) for i, m in group if i in work and not isinstance(work[i], IndexedSlices)]
-        if not live:
-            continue
-        dtype = packed[names[0]][g].dtype
-        grads, values = [], []
-        for i, m in group:
-            p = p_leaves[i]
-            values.append(array_of(p).reshape(-1))
-            g_i = work.get(i)
-            dense = g_i is not None and not isinstance(g_i, IndexedSlices)
-            grads.append(jnp.asarray(g_i, dtype).reshape(-1) if dense else jnp.zeros(m.size, dtype))
-        slots = {n: packed[n][g] for n in names}
-        var, new_slots = opt._dense(h, jnp.concatenate(grads), jnp.concatenate(values), slots, non_slots)
-        if len(live) != len(group):
-            mask = np.zeros(slots[names[0]].shape, bool)
-            for _, m in live:
-                mask[m.offset:m.offset + m.size] = True
-            new_slots = {n: jnp.where(mask, new_slots[n], slots[n]) for n in names}
-        for n in names:
-            new_packed[n][g] = new_slots[n].astype(dtype)
-        for i, m in live:
-            new_values[i] = m.of(var)
-    return new_values, {n: tuple(bs) for n, bs in new_packed.items()}
+    names = list(state.packed)
+    p_leaves, g_leaves, p_def, paths = flatten_grads(grads, params)
+    if not names or state._stored[names[0]].layout.p_def != p_def:
+        return update(grads, params, state, step, **extra)  # steps views of the slots, or reports the mismatch
+    owners = owner_positions(p_leaves)
+    work = gradients_by_owner(p_leaves, g_leaves, paths, owners)
+    stored = {k: state._stored[k].leaves() for k in names}
+    marks, n = stored[names[0]], len(p_leaves)
+    v_params, v_grads, v_slots = list(p_leaves), list(g_leaves), {k: list(stored[k]) for k in names}
+    groups: dict[int, list[tuple[int, PackedSlot]]] = {}
+    for i, m in enumerate(marks):
+        if isinstance(m, PackedSlot):
+            sparse = owners[i] == i and isinstance(work.get(i), IndexedSlices)
+            v_params[i], v_grads[i] = (p_leaves[i], work[i]) if sparse else (None, None)
+            for k in names:
+                v_slots[k][i] = stored[k][i].view(state.packed[k]) if sparse else None
+            if owners[i] == i:
+                groups.setdefault(m.group, []).append((i, m))
+    live = {}  # group: (members, whether each has a dense gradient now)
+    for g, members in sorted(groups.items()):
+        dense = [i in work and not isinstance(work[i], IndexedSlices) for i, _ in members]
+        if any(dense):
+            dtype = state.packed[names[0]][g].dtype
+            v_params.append(jnp.concatenate([array_of(p_leaves[i]).reshape(-1) for i, _ in members]))
+            v_grads.append(jnp.concatenate([jnp.asarray(work[i], dtype).reshape(-1) if d else jnp.zeros(m.size, dtype)
+                                            for (i, m), d in zip(members, dense, strict=True)]))
+            for k in names:
+                v_slots[k].append(state.packed[k][g])
+            live[g] = members, dense
+    new_v, new_state = update(v_grads, v_params, type(state)(v_slots, state.non_slots), step, **extra)
+    new_p = [p if isinstance(m, PackedSlot) else new_v[i] for i, (p, m) in enumerate(zip(p_leaves, marks, strict=True))]
+    new_stored = {k: [s if isinstance(s, PackedSlot) else new_state.slots[k][i] for i, s in enumerate(stored[k])]
+                  for k in names}
+    buffers = {k: list(state.packed[k]) for k in names}
+    for j, (g, (members, dense)) in enumerate(live.items()):
+        for k in names:
+            new = new_state.slots[k][n + j]
+            if not all(dense):
+                mask = np.zeros(new.shape, bool)
+                for (_, m), d in zip(members, dense, strict=True):
+                    mask[m.offset:m.offset + m.size] = d
+                new = jnp.where(mask, new, buffers[k][g])
+            buffers[k][g] = new.astype(buffers[k][g].dtype)
+        for (i, m), d in zip(members, dense, strict=True):
+            if d:
+                new_p[i] = _with_value(p_leaves[i], cast_like(m.of(new_v[n + j]), array_of(p_leaves[i])))
+    for i, m in enumerate(marks):
+        if isinstance(m, PackedSlot) and v_params[i] is not None:  # a sparse step: into its slices
+            new_p[i] = new_v[i]
+            for k in names:
+                b = buffers[k][m.group]
+                value = array_of(new_state.slots[k][i]).reshape(-1).astype(b.dtype)
+                buffers[k][m.group] = jax.lax.dynamic_update_slice(b, value, (m.offset,))
+    for j, i in enumerate(owners):
+        if i != j and isinstance(marks[i], PackedSlot):
+            new_p[j] = new_p[i]  # a tied weight's one version, at every place
+    slots = {**state._stored, **{k: PackedTree.build(p_def, new_stored[k], state._stored[k].layout) for k in names}}
+    return p_def.unflatten(new_p), type(state)(slots, new_state.non_slots, {k: tuple(b) for k, b in buffers.items()})
 
 
-def write_back(packed: dict, mark: PackedSlot, slots: dict) -> dict:
-    """`packed` with one member's new slot values (a sparse step's) written into its slice."""
-    out = {}
-    for n, buffers in packed.items():
-        b = list(buffers)
-        b[mark.group] = jax.lax.dynamic_update_slice(b[mark.group], slots[n].reshape(-1).astype(b[mark.group].dtype),
-                                                     (mark.offset,))
-        out[n] = tuple(b)
-    return out
+def _with_value(x: Any, value: Any) -> Any:
+    return x._with_value(value) if isinstance(x, Variable) else value

@@ -37,6 +37,16 @@ def add_rows(x: Array, idx: Array, rows: Array) -> Array:
     return x.at[idx].add(rows, mode="drop", wrap_negative_indices=False)
 
 
+def divide(x: Array, d: Array) -> Array:
+    """x / d element by element, as TF's kernels divide, also when `d` is a scalar.
+
+    XLA turns a division by a broadcast scalar into a multiplication by its reciprocal: two roundings,
+    a last bit off in a quarter of the elements. Broadcasting first keeps the division a division when
+    ops run one by one; under jit XLA may still fold it, within the ulps FMA costs there anyway.
+    """
+    return x / jnp.broadcast_to(d, jnp.broadcast_shapes(jnp.shape(x), jnp.shape(d)))
+
+
 def as_dtype(x: Any, dtype: Any) -> Array:
     """A hyperparameter as TF passes it to a kernel: a float32 tensor cast to the variable's dtype."""
     return jnp.asarray(x, jnp.float32).astype(dtype)

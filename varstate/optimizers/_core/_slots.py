@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from varstate._registry import outside_name_scopes
 from varstate._variable import Variable, owning_variable
-from varstate.optimizers._core._matching import array_of, path_label
+from varstate.optimizers._core._matching import array_of, is_var, path_label
 
 
 def make_slot(primary: Variable, slot_name: str, value: Any, *, fresh: bool = False) -> Variable:
@@ -32,22 +32,21 @@ def make_slot(primary: Variable, slot_name: str, value: Any, *, fresh: bool = Fa
         info = type(info)(f"{info.full_name}/{slot_name}", info.full_shape, info.var_offset, info.var_shape)
     registry = primary._handle.registry
     with outside_name_scopes():  # the primary's name has its scope already
-        make = owning_variable if fresh else Variable
-        slot = make(value, name=f"{primary.name}/{slot_name}", trainable=False, save_slice_info=info,
-                    registry=registry)
-    slot._handle.slot_of = primary.resource_id
-    slot._handle.slot_name = slot_name
-    return slot
+        return owning_variable(value, name=f"{primary.name}/{slot_name}", trainable=False, save_slice_info=info,
+                               registry=registry, copy=not fresh, slot_of=primary.resource_id, slot_name=slot_name)
 
 
-def scalar_placement(first: Variable | None) -> Any:
-    """Where a non-slot scalar lives: with the first variable (TF colocates it), replicated over its mesh."""
-    sharding = getattr(first, "sharding", None) if first is not None else None
+def non_slot_home(params: Any) -> tuple[Any, Any]:
+    """(registry, device) of the non-slot variables of `params`: the first Variable's registry, and its place
+    (TF colocates them with it), replicated over its mesh."""
+    first = next((p for p in jax.tree.leaves(params, is_leaf=is_var) if isinstance(p, Variable)), None)
+    if first is None:
+        return None, None
+    sharding = first.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    return None
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    kept = isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding))
+    return first.handle.registry, sharding if kept else None
 
 
 def filled_slot(p: Any, slot_name: str, fill: float) -> Any:

@@ -40,6 +40,10 @@ class OptimizerState:
     (True, 'bias/m', [(5,)])
     """
 
+    _stored: dict[str, Any]
+    _views: Any  # like _stored once built, None before (set through object.__setattr__, which mypy cannot follow)
+    non_slots: dict[str, Variable]
+    packed: dict[str, tuple]
     __slots__ = ("_stored", "_views", "non_slots", "packed")
 
     def __init__(self, slots: dict[str, Any], non_slots: dict[str, Variable],
@@ -97,7 +101,7 @@ class OptimizerState:
 
     def get_slot(self, var: Variable, name: str) -> Variable | None:
         """The slot `name` of primary `var` (matched by resource id), or None (as TF)."""
-        tree = self._stored.get(name)
+        tree = self.slots.get(name)
         if tree is None:
             return None
         if not isinstance(var, Variable):
@@ -105,16 +109,8 @@ class OptimizerState:
                 f"get_slot finds slots by their variable's identity; got {type(var).__name__}, which has none. "
                 f"A plain-array param's slot sits at the param's position in state.slots[{name!r}]."
             )
-        rid = var.resource_id
-        leaves = tree.leaves() if isinstance(tree, _packed.PackedTree) else jax.tree.leaves(
-            tree, is_leaf=_packed.is_slot_leaf)
-        for slot in leaves:
-            if isinstance(slot, _packed.PackedSlot):
-                if slot.slot is not None and slot.slot.handle.slot_of == rid:
-                    return slot.view(self.packed[name])
-            elif isinstance(slot, Variable) and slot.handle.slot_of == rid:
-                return slot
-        return None
+        return next((s for s in jax.tree.leaves(tree, is_leaf=_packed.is_slot_leaf)
+                     if isinstance(s, Variable) and s.handle.slot_of == var.resource_id), None)
 
     def non_slot(self, name: str) -> Variable:
         """The non-slot variable `name` (KeyError naming the known ones)."""

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from varstate.optimizers.keras._base import KerasOptimizer, const, densify, divide, keras_power, local_step
+from varstate.optimizers._core._rows import divide
+from varstate.optimizers.keras._base import KerasOptimizer, const, densify, keras_power, local_step
 
 
 @dataclasses.dataclass(frozen=True)

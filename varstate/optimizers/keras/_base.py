@@ -32,7 +32,7 @@ from varstate._global_step import int64_counter
 from varstate._variable import Variable
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._matching import is_var
-from varstate.optimizers._core._slots import check_non_slots, filled_slot, scalar_placement
+from varstate.optimizers._core._slots import check_non_slots, filled_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
 
 Array = Any
@@ -48,33 +48,9 @@ def densify(values: Array, indices: Array, shape: tuple[int, ...]) -> Array:
     return jnp.zeros(shape, values.dtype).at[indices].add(values, mode="drop", wrap_negative_indices=False)
 
 
-def scatter_add(x: Array, indices: Array, rows: Array) -> Array:
-    """`x` with `rows` added at `indices`, duplicates one after another (TF's ``scatter_add``)."""
-    return x.at[indices].add(rows, mode="drop", wrap_negative_indices=False)
-
-
 def scatter_sub(x: Array, indices: Array, rows: Array) -> Array:
     """`x` with `rows` subtracted at `indices` (``x - r`` and ``x + (-r)`` round alike)."""
     return x.at[indices].add(-rows, mode="drop", wrap_negative_indices=False)
-
-
-def divide(x: Array, y: Array) -> Array:
-    """``x / y`` rounded as IEEE division, also where `y` is a scalar.
-
-    XLA rewrites a division by a broadcast scalar as a multiplication by its
-    reciprocal, which rounds differently from TF's division; a divisor
-    materialized at `x`'s shape keeps the division (op by op; under ``jit``
-    XLA sees the broadcast again).
-    """
-    x, y = jnp.asarray(x), jnp.asarray(y)
-    if y.shape != x.shape:
-        y = jnp.broadcast_to(y, jnp.broadcast_shapes(x.shape, y.shape))
-    return x / y
-
-
-def gather(x: Array, indices: Array) -> Array:
-    """Rows `x[indices]` (duplicates repeated), as Keras's sparse ops gather a dense operand."""
-    return x.at[indices].get(mode="fill", fill_value=0, wrap_negative_indices=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +67,12 @@ class KerasOptimizer(Optimizer):
     non_slots)`` on raw rows (duplicates included), where ``lr`` is the
     learning rate in the variable's dtype and ``non_slots["iteration"]``
     counts the steps before this one.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> from varstate.optimizers import keras
+    >>> state = keras.Adam(0.1).init([varstate.Variable(jnp.ones(2), name="k")])
+    >>> issubclass(keras.Adam, keras.KerasOptimizer), state.get_slot_names(), sorted(state.non_slots)
+    (True, ['momentum', 'velocity'], ['iteration', 'learning_rate'])
     """
 
     learning_rate: Hyper = 0.001
@@ -153,10 +135,8 @@ class KerasOptimizer(Optimizer):
         state = super().init(params, state, stepped=stepped, fused=fused)
         if "iteration" in state.non_slots:
             return state
-        leaves = jax.tree.leaves(params, is_leaf=is_var)
-        first = next((p for p in leaves if isinstance(p, Variable)), None)
-        registry = first.handle.registry if first is not None else None
-        counter = int64_counter("iteration", registry, device=scalar_placement(first))
+        registry, placement = non_slot_home(params)
+        counter = int64_counter("iteration", registry, device=placement)
         return state.replace(non_slots={"iteration": counter, **state.non_slots})
 
     def update(
@@ -194,7 +174,9 @@ class KerasOptimizer(Optimizer):
         (['m', 'v'], 'kernel/m')
         """
         # A slot finds its primary by resource id: params may come in another structure than at init.
-        by_rid = {p.resource_id: p for p in jax.tree.leaves(params, is_leaf=is_var) if isinstance(p, Variable)}
+        # Keyed by int | None: a variable that is no slot has slot_of None, found nowhere.
+        by_rid: dict[int | None, Variable] = {
+            p.resource_id: p for p in jax.tree.leaves(params, is_leaf=is_var) if isinstance(p, Variable)}
         slots = {}
         for name, tree in state.slots.items():
             flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: is_var(x) or x is None)

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from varstate.optimizers.keras._base import KerasOptimizer, const, densify, gather, scatter_add, scatter_sub
+from varstate.optimizers._core._rows import add_rows, gather_rows
+from varstate.optimizers.keras._base import KerasOptimizer, const, densify, scatter_sub
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ class RMSprop(KerasOptimizer):
             lambda c: densify(c * values, indices, shape),
             lambda c: densify(c * jnp.square(values), indices, shape),
         )
-        inc = (lr * values) / gather(jnp.sqrt(den), indices)
+        inc = (lr * values) / gather_rows(jnp.sqrt(den), indices)
         if self.momentum > 0:
             mom = new["momentum"] = const(self.momentum, var.dtype) * slots["momentum"] + densify(inc, indices, shape)
             return var - mom, new
@@ -149,8 +150,8 @@ class Adagrad(KerasOptimizer):
         return var - (lr * grad) / jnp.sqrt(acc + const(self.epsilon, var.dtype)), {"accumulator": acc}
 
     def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        acc = scatter_add(slots["accumulator"], indices, jnp.square(values))
-        rows = (lr * values) / gather(jnp.sqrt(acc + const(self.epsilon, var.dtype)), indices)
+        acc = add_rows(slots["accumulator"], indices, jnp.square(values))
+        rows = (lr * values) / gather_rows(jnp.sqrt(acc + const(self.epsilon, var.dtype)), indices)
         return scatter_sub(var, indices, rows), {"accumulator": acc}
 
 
@@ -195,10 +196,10 @@ class Adadelta(KerasOptimizer):
         dtype, shape = var.dtype, var.shape
         rho, rest = const(self.rho, dtype), const(1 - self.rho, dtype)
         ag = rho * slots["accumulated_grad"] + densify(rest * jnp.square(values), indices, shape)
-        rms_delta = gather(self._rms(slots["accumulated_delta_var"]), indices)
-        delta = -((rms_delta * values) / gather(self._rms(ag), indices))
+        rms_delta = gather_rows(self._rms(slots["accumulated_delta_var"]), indices)
+        delta = -((rms_delta * values) / gather_rows(self._rms(ag), indices))
         adv = rho * slots["accumulated_delta_var"] + densify(rest * jnp.square(delta), indices, shape)
-        return scatter_add(var, indices, lr * delta), {"accumulated_grad": ag, "accumulated_delta_var": adv}
+        return add_rows(var, indices, lr * delta), {"accumulated_grad": ag, "accumulated_delta_var": adv}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,6 @@ Fixtures: tests/data/keras_optimizers/steps.npz from make_keras_optimizer_fixtur
 10 optimizers, 7 steps of dense (kernel, bias) and sparse (emb, a duplicate index each step) gradients.
 """
 
-import importlib.util
 import json
 import os
 
@@ -25,17 +24,6 @@ STEPS = np.load(os.path.join(DATA, "steps.npz"))
 NAMES = ("kernel", "bias", "emb")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "keras_roundtrip_readback", os.path.join(DATA, "..", "keras_roundtrip_readback.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-SCRIPT = _script()
-
-
 def assert_keras(got, want, config, what):
     """Bit for bit; Ftrl within 4 ulp of the largest element (Keras's array pow is Eigen's, not correctly rounded)."""
     if config.startswith("ftrl") and want.dtype.kind == "f":
@@ -54,8 +42,8 @@ def keras_order(opt, n):
     return order + [(x, None) for x in trail]
 
 
-def _fresh(config):
-    opt = SCRIPT.ours_optimizer(config, META)
+def _fresh(keras_readback, config):
+    opt = keras_readback.ours_optimizer(config, META)
     params = [varstate.Variable(STEPS[f"init/{n}"], name=n) for n in NAMES]
     return opt, params, opt.init(params)
 
@@ -69,13 +57,13 @@ def _state_values(opt, state):
 
 
 @pytest.mark.parametrize("config", sorted(META["configs"]))
-def test_op_by_op_equals_keras_bit_for_bit(config):
-    opt, params, state = _fresh(config)
+def test_op_by_op_equals_keras_bit_for_bit(config, keras_readback):
+    opt, params, state = _fresh(keras_readback, config)
     assert [v[1].rsplit("/", 1)[-1] for v in META["configs"][config]["variables"]] == [
         "variable" if n == "u_product" else (n if p is None else f"{NAMES[p]}_{n}") for n, p in keras_order(opt, 3)
     ]
     for step in range(META["steps"]):
-        params, state = opt.update(SCRIPT.ours_gradients(STEPS, step), params, state)
+        params, state = opt.update(keras_readback.ours_gradients(STEPS, step), params, state)
         for name, p in zip(NAMES, params, strict=True):
             assert_keras(np.asarray(p.value), STEPS[f"{config}/{step}/param/{name}"], config, f"step {step} {name}")
         for i, got in enumerate(_state_values(opt, state)):
@@ -85,12 +73,12 @@ def test_op_by_op_equals_keras_bit_for_bit(config):
 
 
 @pytest.mark.parametrize("config", sorted(META["configs"]))
-def test_jitted_within_an_ulp_or_two_of_the_largest_element(config):
+def test_jitted_within_an_ulp_or_two_of_the_largest_element(config, keras_readback):
     # XLA:CPU fuses multiply-adds and turns a division by a scalar into a multiplication: an element may move
     # by a few ulp of itself (hundreds on a nearly cancelled one), never more than 4 ulp of the variable's largest.
-    opt, params, state = _fresh(config)
+    opt, params, state = _fresh(keras_readback, config)
     for step in range(META["steps"]):
-        params, state = opt.apply_gradients(SCRIPT.ours_gradients(STEPS, step), params, state)
+        params, state = opt.apply_gradients(keras_readback.ours_gradients(STEPS, step), params, state)
         for name, p in zip(NAMES, params, strict=True):
             want = STEPS[f"{config}/{step}/param/{name}"]
             scale = np.spacing(np.abs(want).max())

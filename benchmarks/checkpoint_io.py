@@ -10,42 +10,27 @@ ours and raw run in turn each round (the machine is noisy), orbax after them.
 Prints seconds and the ratios ours/raw and orbax/ours. TensorFlow's figures on this
 machine kind (from the issue) are printed for reference; TF is not imported.
 
-    .venv/bin/python benchmarks/checkpoint.py
+    .venv/bin/python -m benchmarks.checkpoint_io
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import time
 
-# This file is named like the `checkpoint` package: keep its folder off the import path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-
-import checkpoint  # noqa: E402
-import varstate  # noqa: E402
+import checkpoint
+import varstate
+from benchmarks._common import best
 
 REPEATS = 5  # the machine is noisy: 3 let one slow round through (a 2.9x restore once)
 TF_FIGURES = {"large": (0.65, 0.24), "small": (0.78, 0.87)}  # tf.train.Checkpoint save, restore (issue)
-
-
-def best(fn, setup=None, repeats=REPEATS):
-    times = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def interleaved(ours, raw, setups, repeats=REPEATS):
