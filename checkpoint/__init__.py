@@ -27,23 +27,15 @@ if _TYPE_CHECKING:
     from checkpoint._tf._name_based import NameBasedLoadStatus, restore_by_name, write_name_based
     from checkpoint._tf._saved_model import read_saved_model
 
-_HOME = {
-    "Asset": "_export",
-    "Checkpoint": "_checkpoint",
-    "CheckpointManager": "_manager",
-    "LoadStatus": "_status",
-    "NameBasedLoadStatus": "_tf._name_based",
-    "ProcessGroupError": "_storage._distributed",
-    "export": "_export",
-    "latest_checkpoint": "_manager",
-    "load": "_export",
-    "read_checkpoint": "_checkpoint",
-    "read_saved_model": "_tf._saved_model",
-    "register_revived_type": "_export",
-    "restore_by_name": "_tf._name_based",
-    "StepAlreadyExistsError": "_manager",
-    "write_name_based": "_tf._name_based",
-}
+_HOME = {name: module for module, names in {  # the module defining each public name, as imported above
+    "_checkpoint": ("Checkpoint", "read_checkpoint"),
+    "_export": ("Asset", "export", "load", "register_revived_type"),
+    "_manager": ("CheckpointManager", "StepAlreadyExistsError", "latest_checkpoint"),
+    "_status": ("LoadStatus",),
+    "_storage._distributed": ("ProcessGroupError",),
+    "_tf._name_based": ("NameBasedLoadStatus", "restore_by_name", "write_name_based"),
+    "_tf._saved_model": ("read_saved_model",),
+}.items() for name in names}
 
 __all__ = [
     "Asset",

@@ -17,16 +17,26 @@ from checkpoint._storage import _distributed, _save
 def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
     """Opens any checkpoint this package reads: orbax, TF object-based (TF2) or TF name-based (TF1 Saver).
 
-    `path` is a checkpoint prefix (the path before ``.index``), a directory
-    (its ``checkpoint`` state file names the latest checkpoint, which must lie
-    inside it), the state file itself, or an orbax checkpoint directory.
-
     The reader offers ``keys()``, ``get(key) -> np.ndarray`` (checksums
     verified), ``shape(key)``, ``dtype(key)``, ``object_graph`` (the
     TrackableObjectGraph; None for a name-based checkpoint) and, for TF
     checkpoints, ``get_slices(key)`` (the saved slices of a partitioned
-    variable, which ``get`` reassembles). Corrupt files raise
-    `CheckpointFormatError` naming the file and key.
+    variable, which ``get`` reassembles).
+
+    Args:
+        path: a checkpoint prefix (the path before ``.index``), a directory
+            (its ``checkpoint`` state file names the latest checkpoint, which
+            must lie inside it), the state file itself, or an orbax checkpoint
+            directory.
+
+    Returns:
+        A reader, described under "Objects returned" in the reference.
+
+    Raises:
+        FileNotFoundError: no checkpoint at `path` (the message says what was
+            expected).
+        CheckpointFormatError: a corrupt file, naming it (and, reading a
+            value, its key).
 
     >>> import numpy as np, tempfile, os, checkpoint
     >>> prefix = os.path.join(tempfile.mkdtemp(), "model.ckpt")
@@ -54,8 +64,7 @@ def _fingerprint(proto: Any, values: dict[str, Any]) -> bytes:
 
 def _tf_of_processes(temp: str, values: dict[str, Any], graph: bytes):
     """A TensorBundle written by every process: its own data file each, one merged index (process 0's)."""
-    from checkpoint._storage._bundle_writer import Sliced, write_bundle_of_processes
-    from checkpoint._storage._tensors import tf_tensors
+    from checkpoint._storage._bundle_writer import Sliced, tf_tensors, write_bundle_of_processes
 
     python = {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str))}
     tensors = tf_tensors(python, graph)  # Python values as TF stores them, and the object graph
@@ -76,6 +85,14 @@ class Checkpoint:
     dataclasses. `save` numbers checkpoints (``prefix-1``, ``prefix-2``...);
     `restore` returns a `LoadStatus` holding new roots with the templates'
     structure and resource ids.
+
+    Args:
+        **roots: the roots by name (``model=params, optimizer=state``); each
+            name is the first part of its values' checkpoint keys
+            (``model/kernel/.ATTRIBUTES/VARIABLE_VALUE``).
+
+    Raises:
+        ValueError: a root named ``save_counter`` (the checkpoint's own counter).
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> model = {"kernel": varstate.Variable(jnp.ones((2, 2))), "bias": varstate.Variable(jnp.zeros(2))}
@@ -104,12 +121,25 @@ class Checkpoint:
     def write(self, path: str, format: str = "orbax", *, packed: bool = True) -> str:
         """Writes the roots to `path` and returns it once committed (no numbering).
 
-        `format="tf"` writes a TensorBundle (``path.index`` + data files) that
-        TensorFlow reads. An existing checkpoint at `path` is replaced, never
+        An existing checkpoint at `path` is replaced, never
         leaving a moment without one: the new checkpoint is written completely
         under a temporary name first, and where the directory's ``checkpoint``
         state file names the old one, it names a stand-in for it (hard links)
         while the two are swapped.
+
+        Args:
+            path: where to write: an orbax directory, or a TF prefix (the path
+                before ``.index``) with ``format="tf"``.
+            format: ``"orbax"``, or ``"tf"`` for a TensorBundle (``path.index``
+                + data files) that TensorFlow reads.
+            packed: (orbax) pack small values together; False stores each
+                value as its own orbax array (below).
+
+        Returns:
+            The absolute path written.
+
+        Raises:
+            ValueError: an unknown `format`.
 
         >>> import os, tempfile, jax.numpy as jnp, checkpoint
         >>> path = os.path.join(tempfile.mkdtemp(), "weights")
@@ -137,7 +167,7 @@ class Checkpoint:
         """
         path = os.path.abspath(os.fspath(path))
         check_format(format, "Checkpoint.write")
-        _save.start(path, format, "Checkpoint.write", lambda temp: self.start_write(temp, format, packed=packed),
+        _save.start(path, format, "Checkpoint.write", lambda temp: start_write(self, temp, format, packed=packed),
                     lambda primary: None)()
         return path
 
@@ -149,14 +179,26 @@ class Checkpoint:
         was not restored) is replaced as `write` replaces one. `roots` given
         here replace the roots of the same names first (the new values after
         a training step), so one Checkpoint serves a whole training loop and
-        its counter keeps counting; a name that is not a root raises
-        ValueError.
+        its counter keeps counting.
 
         In a `jax.distributed` job every process calls `save` with the same
         roots: each writes only the shards it holds, process 0 writes the
         object graph and the state file, and the checkpoint becomes the
         latest once every process has written (see `checkpoint/_storage/
         _distributed.py`).
+
+        Args:
+            file_prefix: the path before ``-N``; its directory gets the state file.
+            format: ``"orbax"``, or ``"tf"`` for a TensorBundle TF reads.
+            packed: as `write`'s.
+            **roots: new values for roots of those names.
+
+        Returns:
+            The absolute path of ``file_prefix-N``.
+
+        Raises:
+            ValueError: an unknown `format`, or a name in `roots` that is not a
+                root of this Checkpoint.
 
         >>> import os, tempfile, jax.numpy as jnp, checkpoint
         >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -166,7 +208,15 @@ class Checkpoint:
         (['ckpt-1', 'ckpt-2'], 2, array([2., 2.], dtype=float32))
         """
         check_format(format, "Checkpoint.save")
-        self._replace_roots(roots, "Checkpoint.save")
+        unknown = sorted(set(roots) - set(self._roots))
+        if unknown:
+            hint = " ('save_counter' is the checkpoint's own)" if _keys.SAVE_COUNTER in unknown else ""
+            raise ValueError(
+                f"Checkpoint.save: {unknown} {'is not a root' if len(unknown) == 1 else 'are not roots'} of this "
+                f"Checkpoint{hint}; its roots are {sorted(self._roots)}. Pass new values only for roots given to "
+                "Checkpoint(...), or build a Checkpoint with the new roots."
+            )
+        self._roots.update(roots)
         self._counter_tracked = True
         self.save_counter += 1
         path = os.path.abspath(f"{os.fspath(file_prefix)}-{self.save_counter}")
@@ -175,73 +225,34 @@ class Checkpoint:
             if primary:
                 _storage.record_latest(os.path.dirname(path), path)
 
-        _save.start(path, format, "Checkpoint.save", lambda temp: self.start_write(temp, format, packed=packed),
+        _save.start(path, format, "Checkpoint.save", lambda temp: start_write(self, temp, format, packed=packed),
                     record)()
         return path
-
-    def _replace_roots(self, roots: dict[str, Any], where: str) -> None:
-        unknown = sorted(set(roots) - set(self._roots))
-        if unknown:
-            hint = " ('save_counter' is the checkpoint's own)" if _keys.SAVE_COUNTER in unknown else ""
-            raise ValueError(
-                f"{where}: {unknown} {'is not a root' if len(unknown) == 1 else 'are not roots'} of this "
-                f"Checkpoint{hint}; its roots are {sorted(self._roots)}. Pass new values only for roots given to "
-                "Checkpoint(...), or build a Checkpoint with the new roots."
-            )
-        self._roots.update(roots)
-
-    def start_write(self, temp: str, format: str, *, packed: bool = True, checkpointer: Any = None,
-                    background: bool = False, counter: int | None = None) -> Callable[[], None]:
-        """Starts writing the roots to the unpublished name `temp`; returns the function that finishes it.
-
-        Internal: the `write` of the save sequence (`_storage/_save.py`) for
-        `save`, `write` and `CheckpointManager.save`, which passes its step as
-        the `counter` to save and its own orbax `checkpointer`. With
-        `background` the values are copied off the arrays before this returns,
-        so the caller may update (or donate) them while the returned function
-        runs in another thread.
-        """
-        roots = dict(self._roots)
-        if counter is not None or self._counter_tracked:
-            roots[_keys.SAVE_COUNTER] = np.int64(self.save_counter if counter is None else counter)
-        graph = _graph.build(roots)
-        values = _graph.values(graph)
-        if _distributed.process_count() > 1:
-            _distributed.check_same("object graph of the saved roots", _fingerprint(graph.proto, values))
-        if format == "tf" and _distributed.process_count() > 1:
-            finish = _tf_of_processes(temp, values, graph.proto.SerializeToString())
-            if background:  # its shards are read as it writes: written now, so later (donating) steps cannot race
-                finish()
-                return lambda: None
-            return finish
-        if format == "tf":
-            from checkpoint._storage._tensors import tf_tensors
-
-            tensors = tf_tensors(values, graph.proto.SerializeToString())
-            if background:  # np.asarray of a CPU jax.Array may share its buffer
-                tensors = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in tensors.items()}
-            return lambda: _storage.write_bundle(temp, tensors)
-        from checkpoint._storage import _orbax
-
-        tree, meta = _orbax.layout(values, graph.proto, batched=packed)
-        own = checkpointer is None
-        checkpointer = _orbax.checkpointer() if own else checkpointer
-        try:
-            checkpointer.save(temp, args=_orbax.save_args(tree, meta))
-        finally:
-            if own:
-                checkpointer.close()
-        return (lambda: None) if own else getattr(checkpointer, "wait_until_finished", lambda: None)
 
     def restore(self, save_path: str | None, *, strict: bool = False) -> LoadStatus:
         """Restores the roots from `save_path` by object-graph structure; see `LoadStatus`.
 
-        `save_path=None` (``latest_checkpoint`` found none) returns the roots
-        unchanged in a status whose assertions fail, as TF's
-        InitializationOnlyStatus. By default a partial match is allowed, as in
-        TF (check it with the status's assertions, or restore the rest later
-        with ``status.restore``); ``strict=True`` raises ValueError unless
-        every value of the roots and every value in the checkpoint matched.
+        Args:
+            save_path: a checkpoint: an orbax directory or a TF object-based
+                prefix (anything `read_checkpoint` opens). None (what
+                `latest_checkpoint` returns for an empty directory) returns the
+                roots unchanged in a status whose assertions fail, as TF's
+                InitializationOnlyStatus.
+            strict: False allows a partial match, as TF (check it with the
+                status's assertions, or restore the rest later with
+                ``status.restore``); True requires every value of the roots and
+                every value in the checkpoint to match.
+
+        Returns:
+            A `LoadStatus`, whose ``status.<root>`` is the restored root.
+
+        Raises:
+            ValueError: with `strict`, a value unmatched on either side; a
+                name-based checkpoint (use `restore_by_name`); a value whose
+                shape does not fit its template.
+            TypeError: a value whose dtype does not fit its template.
+            CheckpointFormatError: a corrupt or unsupported file.
+            FileNotFoundError: no checkpoint at `save_path`.
 
         >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
         >>> path = checkpoint.Checkpoint(a=jnp.ones(2), b=jnp.ones(2)).write(os.path.join(tempfile.mkdtemp(), "c"))
@@ -300,3 +311,61 @@ class Checkpoint:
             self._counter_tracked = True
             state.matched[counter] = "(root).save_counter"
         return LoadStatus(state, _graph.restore_roots(state, self._roots))
+
+
+def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True, checkpointer: Any = None,
+                background: bool = False, counter: int | None = None) -> Callable[[], None]:
+    """Starts writing `ckpt`'s roots to the unpublished name `temp`; returns the function that finishes it.
+
+    The `write` of the save sequence (`_storage/_save.py`) for
+    `Checkpoint.save`/`write` and `CheckpointManager.save`, which passes its step as
+    the `counter` to save and its own orbax `checkpointer`. With
+    `background` the values are copied off the arrays before this returns,
+    so the caller may update (or donate) them while the returned function
+    runs in another thread.
+
+    Args:
+        ckpt: the Checkpoint whose roots are written.
+        temp: the unpublished path to write.
+        format: ``"orbax"`` or ``"tf"``.
+        packed: as `write`'s.
+        checkpointer: the orbax checkpointer to write with; None makes (and
+            closes) one.
+        background: copy the values off the arrays now (see above).
+        counter: the ``save_counter`` to record; None records this
+            Checkpoint's own, if it counts.
+
+    Returns:
+        The function that finishes the write.
+    """
+    roots = dict(ckpt._roots)
+    if counter is not None or ckpt._counter_tracked:
+        roots[_keys.SAVE_COUNTER] = np.int64(ckpt.save_counter if counter is None else counter)
+    graph = _graph.build(roots)
+    values = _graph.values(graph)
+    if _distributed.process_count() > 1:
+        _distributed.check_same("object graph of the saved roots", _fingerprint(graph.proto, values))
+    if format == "tf" and _distributed.process_count() > 1:
+        finish = _tf_of_processes(temp, values, graph.proto.SerializeToString())
+        if background:  # its shards are read as it writes: written now, so later (donating) steps cannot race
+            finish()
+            return lambda: None
+        return finish
+    if format == "tf":
+        from checkpoint._storage._bundle_writer import tf_tensors
+
+        tensors = tf_tensors(values, graph.proto.SerializeToString())
+        if background:  # np.asarray of a CPU jax.Array may share its buffer
+            tensors = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in tensors.items()}
+        return lambda: _storage.write_bundle(temp, tensors)
+    from checkpoint._storage import _orbax
+
+    tree, meta = _orbax.layout(values, graph.proto, batched=packed)
+    own = checkpointer is None
+    checkpointer = _orbax.checkpointer() if own else checkpointer
+    try:
+        checkpointer.save(temp, args=_orbax.save_args(tree, meta))
+    finally:
+        if own:
+            checkpointer.close()
+    return (lambda: None) if own else getattr(checkpointer, "wait_until_finished", lambda: None)

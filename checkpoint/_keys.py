@@ -7,11 +7,11 @@ A saved slice of a partitioned variable is described by offset and extent
 per dimension.
 
 >>> from checkpoint import _keys
->>> _keys.variable_key(_keys.escape("model") + "/" + _keys.escape("dense/kernel"))
+>>> _keys.attribute_key(_keys.escape("model") + "/" + _keys.escape("dense/kernel"))
 'model/dense.Skernel/.ATTRIBUTES/VARIABLE_VALUE'
->>> _keys.slot_key("model/w", "optimizer", "m")
+>>> _keys.attribute_key(_keys.slot_path("model/w", "optimizer", "m"))
 'model/w/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE'
->>> _keys.node_path(_keys.slot_key("w", "opt", "m"))
+>>> _keys.node_path(_keys.attribute_key(_keys.slot_path("w", "opt", "m")))
 'w/.OPTIMIZER_SLOT/opt/m'
 """
 
@@ -53,16 +53,8 @@ def attribute_key(path: str, attribute: str = VARIABLE_VALUE) -> str:
     return f"{path}/{ATTRIBUTES}/{attribute}"
 
 
-def variable_key(path: str) -> str:
-    return attribute_key(path, VARIABLE_VALUE)
-
-
 def slot_path(primary_path: str, optimizer_path: str, slot_name: str) -> str:
     return f"{primary_path}/{OPTIMIZER_SLOT}/{optimizer_path}/{escape(slot_name)}"
-
-
-def slot_key(primary_path: str, optimizer_path: str, slot_name: str) -> str:
-    return variable_key(slot_path(primary_path, optimizer_path, slot_name))
 
 
 def node_path(key: str) -> str:
@@ -81,6 +73,12 @@ def slice_index(offset: Sequence[int], extent: Sequence[int]) -> tuple[slice, ..
 
 _CORNER_BUDGET = 1 << 21  # corners summed (2**split dimensions per slice) before the grid is painted instead
 _CELL_BUDGET = 1 << 24  # cells of the grid of slice boundaries painted at most (a bool each)
+
+
+def box_of(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """A shard's index (slices, as jax's sharding gives them) as (offset, extent) per dimension: `slice_index`'s
+    inverse."""
+    return tuple((s.indices(d)[0], len(range(*s.indices(d)))) for s, d in zip(index, shape, strict=True))
 
 
 def covers_exactly(shape: Sequence[int], boxes: Sequence[Sequence[tuple[int, int]]]) -> bool:
@@ -102,13 +100,9 @@ def covers_exactly(shape: Sequence[int], boxes: Sequence[Sequence[tuple[int, int
     shape = tuple(shape)
     kept, volume = [], 0
     for box in boxes:
-        if len(box) != len(shape):
+        if len(box) != len(shape) or any(o < 0 or n < 0 or o + n > d for (o, n), d in zip(box, shape, strict=True)):
             return False
-        v = 1
-        for (o, n), d in zip(box, shape, strict=True):
-            if o < 0 or n < 0 or o + n > d:
-                return False
-            v *= n
+        v = math.prod(n for _, n in box)
         if v:  # an empty slice covers nothing and overlaps nothing
             kept.append(box)
             volume += v

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint import _storage
-from checkpoint._checkpoint import Checkpoint, check_format
+from checkpoint._checkpoint import Checkpoint, check_format, start_write
 from checkpoint._status import LoadStatus
 from checkpoint._storage import _publish, _save, read_checkpoint_state, record_latest
 from checkpoint._storage._journal import Journal, checked_metrics
@@ -22,6 +22,13 @@ from checkpoint._storage._journal import Journal, checked_metrics
 
 def latest_checkpoint(directory: str) -> str | None:
     """The newest committed checkpoint in `directory` (from its ``checkpoint`` state file), or None.
+
+    Args:
+        directory: the directory of the checkpoints (and their state file).
+
+    Returns:
+        The checkpoint's path (prefix or orbax directory), or None when the
+        directory has no state file or its latest checkpoint is not complete.
 
     >>> import os, tempfile, jax.numpy as jnp, checkpoint
     >>> d = tempfile.mkdtemp()
@@ -152,6 +159,30 @@ class CheckpointManager:
     ``packed=False`` writes every value as its own orbax array, named by its
     checkpoint key, that plain orbax reads (see `Checkpoint.write`).
 
+    Args:
+        directory: where the checkpoints and the state file live (created on
+            the first save).
+        max_to_keep: how many checkpoints to keep (the most recent, or the best
+            with `best_fn`); None keeps all.
+        keep_every_n_steps: also keep for good, unmanaged, every checkpoint
+            leaving the kept list whose step is a multiple of it; None: none.
+        async_save: `save` returns once the values are copied off the arrays
+            and commits in a background thread.
+        checkpoint_name: the checkpoints' name before ``-<step>``.
+        save_interval_steps: what `should_save` asks of a step (a multiple).
+        best_fn: ``metrics -> number`` ranking checkpoints saved with metrics;
+            None keeps the most recent.
+        best_mode: ``"max"`` or ``"min"``: which scores are best.
+        format: ``"orbax"``, or ``"tf"`` for TF TensorBundles.
+        packed: (orbax) as `Checkpoint.write`'s.
+
+    Raises:
+        ValueError: a `max_to_keep`, `keep_every_n_steps` or
+            `save_interval_steps` that is not a positive int; a
+            `checkpoint_name` with characters other than letters, digits and
+            ``_.-``; a `best_fn` that is not callable; an unknown `best_mode` or
+            `format`.
+
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> w = varstate.Variable(jnp.zeros(2))
     >>> with checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as mgr:
@@ -220,10 +251,7 @@ class CheckpointManager:
         self._journal = Journal(self.directory)
         for name, entry in list(self._journal.saving.items()):
             if self._plain_step(name) in self._steps:  # killed after it was recorded: it committed
-                if entry["metrics"] is None:
-                    self._journal.metrics.pop(name, None)
-                else:
-                    self._journal.metrics[name] = entry["metrics"]
+                self._keep_metrics(name, entry["metrics"])
         self._scores = {s: self._score(self._metrics_of(s), self._path(s)) for s in self._steps}
         self._async = async_save
         self._checkpointer: Any = None
@@ -238,6 +266,12 @@ class CheckpointManager:
     def _plain_step(self, name: str) -> int | None:
         m = self._step_pattern.fullmatch(name)
         return int(m.group(1)) if m and not m.group(2) else None
+
+    def _keep_metrics(self, name: str, metrics: dict[str, Any] | None) -> None:
+        if metrics is None:
+            self._journal.metrics.pop(name, None)
+        else:
+            self._journal.metrics[name] = metrics
 
     def _metrics_of(self, step: int) -> dict[str, Any] | None:
         return self._journal.metrics.get(os.path.basename(self._path(step)))
@@ -267,12 +301,12 @@ class CheckpointManager:
     # --- what is saved --------------------------------------------------------
     @property
     def checkpoints(self) -> list[str]:
-        """Paths of the kept checkpoints, oldest saved first."""
+        """The paths of the kept checkpoints, oldest saved first."""
         return [self._locate(s) for s in self._steps]
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """The newest committed checkpoint, or None."""
+        """The path of the newest committed checkpoint, or None."""
         return self._locate(self._steps[-1]) if self._steps else None
 
     def latest_step(self) -> int | None:
@@ -280,6 +314,9 @@ class CheckpointManager:
 
         An asynchronous save counts from `save` on; `latest_checkpoint` names
         the newest one committed.
+
+        Returns:
+            The step (int), or None.
 
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp())
@@ -295,6 +332,9 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The steps of the kept checkpoints, ascending (an asynchronous save counts from `save` on).
+
+        Returns:
+            A list of int.
 
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
@@ -312,6 +352,15 @@ class CheckpointManager:
         """True if `step` is a multiple of ``save_interval_steps`` and not saved yet.
 
         `save` does not ask it: call it in the training loop.
+
+        Args:
+            step: the training step (a non-negative int).
+
+        Returns:
+            Whether to save at `step`.
+
+        Raises:
+            ValueError: `step` is not a non-negative int.
 
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), save_interval_steps=100)
@@ -334,11 +383,27 @@ class CheckpointManager:
     ) -> str:
         """Writes ``ckpt-<step>``; returns its path (committed unless ``async_save``).
 
-        A step already saved raises `StepAlreadyExistsError` unless
-        ``overwrite=True``; then the previous checkpoint of that step stays
-        readable (and the latest) until the new one is complete. `metrics`
-        ({name: number}) are what ``best_fn`` ranks. ``overwrite`` and
-        ``metrics`` are keywords of `save`, so they cannot name roots.
+        Waits for a pending asynchronous save first; then deletes the
+        checkpoints no longer kept (see the class docstring).
+
+        Args:
+            step: the step (a non-negative int), the checkpoint's number and
+                its ``save_counter``.
+            overwrite: replace a checkpoint of that step; the previous one
+                stays readable (and the latest) until the new one is complete.
+            metrics: ``{name: number}``, what `best_fn` ranks; kept beside
+                the state file.
+            **roots: the roots to save, as `Checkpoint(**roots)`. ``overwrite``
+                and ``metrics`` are keywords of `save`, so they cannot name roots.
+
+        Returns:
+            The checkpoint's path (committed unless `async_save`).
+
+        Raises:
+            StepAlreadyExistsError: `step` is already saved and not `overwrite`.
+            ValueError: a step that is not a non-negative int; metrics that are
+                not ``{str: number}``; `best_fn` returning something other than
+                a number or None.
 
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2, best_fn=lambda m: m["acc"])
@@ -365,7 +430,7 @@ class CheckpointManager:
                 from checkpoint._storage import _orbax
 
                 self._checkpointer = _orbax.checkpointer(self._async)
-            return ckpt.start_write(temp, self.format, packed=self._packed, background=self._async, counter=step,
+            return start_write(ckpt, temp, self.format, packed=self._packed, background=self._async, counter=step,
                                     checkpointer=self._checkpointer)
 
         complete = _save.start(path, self.format, "CheckpointManager.save", write,
@@ -409,10 +474,7 @@ class CheckpointManager:
         path = self._path(step)
         name = os.path.basename(path)
         self._standins.pop(step, None)
-        if metrics is None:
-            self._journal.metrics.pop(name, None)
-        else:
-            self._journal.metrics[name] = metrics
+        self._keep_metrics(name, metrics)
         self._scores[step] = score
         steps = [s for s in self._steps if s != step] + [step]
         removed = set(self._to_remove(steps))
@@ -458,6 +520,9 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Blocks until an asynchronous save is committed; raises its error if it failed.
 
+        Raises:
+            Exception: whatever the asynchronous save raised, in this thread.
+
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), async_save=True)
         >>> path = mgr.save(1, w=jnp.zeros(2))
@@ -480,8 +545,22 @@ class CheckpointManager:
     def restore(self, step: int | None = None, /, *, strict: bool = False, **templates: Any) -> LoadStatus:
         """Restores `templates` from ``ckpt-<step>`` (default: the latest); see `Checkpoint.restore`.
 
-        ``strict=True`` raises ValueError unless every value of the templates
-        and every value in the checkpoint matched.
+        Waits for a pending asynchronous save first.
+
+        Args:
+            step: the step to restore; None for the latest.
+            strict: as `Checkpoint.restore`'s: True raises ValueError unless
+                every value of the templates and every value in the checkpoint
+                matched.
+            **templates: the roots to restore into, by name, as saved.
+
+        Returns:
+            A `LoadStatus`, whose ``status.<name>`` is the restored root.
+
+        Raises:
+            FileNotFoundError: no checkpoint saved yet (step None), or none of
+                that step.
+            ValueError: as `Checkpoint.restore`.
 
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp())
@@ -502,7 +581,10 @@ class CheckpointManager:
         return Checkpoint(**templates).restore(path, strict=strict)
 
     def close(self) -> None:
-        """Waits for a pending save and releases orbax's threads; a later `save` starts them again."""
+        """Waits for a pending save and releases orbax's threads; a later `save` starts them again.
+
+        Leaving a ``with CheckpointManager(...)`` block calls it.
+        """
         try:
             self.wait_until_finished()
         finally:

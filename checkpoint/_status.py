@@ -17,6 +17,15 @@ class LoadStatus:
     restored) and returns a status holding them and every root restored
     before; the assertions of every status of one restore see them all.
 
+    Args:
+        state: the restore's shared account (what the checkpoint holds and what
+            restores took); `Checkpoint.restore` makes it.
+        roots: the restored roots by name.
+
+    Raises:
+        AttributeError: ``status.<name>`` of a root not restored (naming those
+            that are).
+
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> w = varstate.Variable(jnp.ones(3), name="w")
     >>> path = checkpoint.Checkpoint(model={"w": w}, step=jnp.int32(7)).write(os.path.join(tempfile.mkdtemp(), "c"))
@@ -54,13 +63,27 @@ class LoadStatus:
 
         The status returned holds these roots and every root restored before
         them from the same checkpoint.
+
+        Args:
+            **roots: templates of the roots to restore, by name.
+
+        Returns:
+            A new LoadStatus holding these roots and the earlier ones.
         """
         self._every.update(restore_roots(self._state, roots))
         return LoadStatus(self._state, dict(self._every), self._every)
 
     # --- TF's assertions --------------------------------------------------------
     def assert_consumed(self) -> LoadStatus:
-        """Every checkpointed value was restored and every object matched (TF's semantics)."""
+        """Checks that every checkpointed value was restored and every object matched (TF's semantics).
+
+        Returns:
+            This status, to chain (``status.assert_consumed().model``).
+
+        Raises:
+            AssertionError: an object was unmatched, a checkpointed value or slot was
+                not restored (the message names the first).
+        """
         self.assert_existing_objects_matched()
         st = self._state
         if st.pending_slots:  # checked first: more specific than the unresolved slot nodes
@@ -80,7 +103,14 @@ class LoadStatus:
         return self
 
     def assert_existing_objects_matched(self) -> LoadStatus:
-        """Every object given to a restore (with a value) was matched in the checkpoint."""
+        """Checks that every object given to a restore (with a value) was matched in the checkpoint.
+
+        Returns:
+            This status, to chain (``status.assert_consumed().model``).
+
+        Raises:
+            AssertionError: an object was unmatched (the message lists up to 10).
+        """
         unmatched = list(self._state.unmatched)
         if unmatched:
             n = len(unmatched)
@@ -91,7 +121,14 @@ class LoadStatus:
         return self
 
     def assert_nontrivial_match(self) -> LoadStatus:
-        """Something other than the root matched (the checkpoint fits the program at all)."""
+        """Checks that something other than the root matched (the checkpoint fits the program at all).
+
+        Returns:
+            This status, to chain (``status.assert_consumed().model``).
+
+        Raises:
+            AssertionError: nothing but the root matched.
+        """
         st = self._state
         matched = [label for label in st.matched.values() if label not in ("(root)", "(root).save_counter")]
         if not matched:
@@ -105,7 +142,11 @@ class LoadStatus:
         return self
 
     def expect_partial(self) -> LoadStatus:
-        """Silences the warning about unrestored values logged when the restore is discarded."""
+        """Silences the warning about unrestored values logged when the restore is discarded.
+
+        Returns:
+            This status.
+        """
         self._state.expect_partial = True
         return self
 

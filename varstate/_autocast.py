@@ -47,7 +47,12 @@ def _cast(value: Any) -> Any:
 def autocast(dtype: Any) -> Iterator[None]:
     """Within the block (this thread), `AutoCastVariable` reads return `dtype` (TF's `enable_auto_cast_variables`).
 
-    A non-floating `dtype` (or None) turns casting off, as in TF.
+    Args:
+        dtype: the dtype reads return inside the block; a non-floating dtype
+            (or None) turns casting off, as in TF.
+
+    Yields:
+        None; the previous dtype is back when the block exits.
 
     >>> import jax.numpy as jnp, varstate
     >>> v = varstate.AutoCastVariable(varstate.Variable(jnp.ones(2), name="k"))
@@ -87,7 +92,12 @@ class AutoCastVariable(_ArrayOps):
     storage dtype and return a new wrapper (as do `scatter_add`, `scatter_sub`,
     `scatter_update`). Other attributes (`name`,
     `resource_id`, `shape`, `trainable`, ...) are the wrapped Variable's.
-    ValueError, as TF, for a non-Variable or a non-floating Variable.
+
+    Args:
+        variable: the floating-point Variable to wrap.
+
+    Raises:
+        ValueError: `variable` is not a Variable, or not floating-point (as TF).
 
     >>> import jax, jax.numpy as jnp, varstate
     >>> w = varstate.AutoCastVariable(varstate.Variable(jnp.full(2, 1.5), name="w"))
@@ -131,7 +141,7 @@ class AutoCastVariable(_ArrayOps):
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype reads return: the autocast dtype inside `autocast`, else the storage dtype."""
+        """The dtype reads return, which is the autocast dtype inside `autocast` and `true_dtype` elsewhere."""
         return _cast_dtype() or self._variable.dtype
 
     @property
@@ -140,7 +150,11 @@ class AutoCastVariable(_ArrayOps):
         return _cast(self._variable.value)
 
     def read_value(self) -> Any:
-        """As `value`; ValueError if the variable is uninitialized."""
+        """As `value`, cast to the autocast dtype inside `autocast`.
+
+        Raises:
+            ValueError: the variable is uninitialized.
+        """
         return _cast(self._variable.read_value())
 
     def _to_storage(self, x: Any) -> Any:
@@ -148,13 +162,36 @@ class AutoCastVariable(_ArrayOps):
         return jnp.asarray(x).astype(self._variable.dtype) if hasattr(x, "dtype") else x
 
     def assign(self, value: Any) -> AutoCastVariable:
-        """A new wrapper around `variable.assign(value)`, cast to the storage dtype."""
+        """A new wrapper around ``variable.assign(value)``, `value` cast to the storage dtype first.
+
+        Args:
+            value: an array of the variable's shape, in any floating dtype.
+
+        Returns:
+            A new AutoCastVariable wrapping the new version.
+        """
         return _wrap(self._variable.assign(self._to_storage(value)))
 
     def assign_add(self, delta: Any) -> AutoCastVariable:
+        """A new wrapper holding ``value + delta``, `delta` cast to the storage dtype first.
+
+        Args:
+            delta: an array of the variable's shape.
+
+        Returns:
+            A new AutoCastVariable wrapping the new version.
+        """
         return _wrap(self._variable.assign_add(self._to_storage(delta)))
 
     def assign_sub(self, delta: Any) -> AutoCastVariable:
+        """A new wrapper holding ``value - delta``, `delta` cast to the storage dtype first.
+
+        Args:
+            delta: an array of the variable's shape.
+
+        Returns:
+            A new AutoCastVariable wrapping the new version.
+        """
         return _wrap(self._variable.assign_sub(self._to_storage(delta)))
 
     def _scatter(self, op: str, sparse_delta: Any) -> AutoCastVariable:
@@ -164,12 +201,36 @@ class AutoCastVariable(_ArrayOps):
         return _wrap(getattr(self._variable, op)(sparse_delta))
 
     def scatter_add(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        """`Variable.scatter_add` on the wrapped variable, the rows cast to the storage dtype first.
+
+        Args:
+            sparse_delta: `IndexedSlices` rows, as for `Variable.scatter_add`.
+
+        Returns:
+            A new AutoCastVariable wrapping the new version.
+        """
         return self._scatter("scatter_add", sparse_delta)
 
     def scatter_sub(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        """`Variable.scatter_sub` on the wrapped variable, the rows cast to the storage dtype first.
+
+        Args:
+            sparse_delta: `IndexedSlices` rows, as for `Variable.scatter_sub`.
+
+        Returns:
+            A new AutoCastVariable wrapping the new version.
+        """
         return self._scatter("scatter_sub", sparse_delta)
 
     def scatter_update(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        """`Variable.scatter_update` on the wrapped variable, the rows cast to the storage dtype first.
+
+        Args:
+            sparse_delta: `IndexedSlices` rows, as for `Variable.scatter_update`.
+
+        Returns:
+            A new AutoCastVariable wrapping the new version.
+        """
         return self._scatter("scatter_update", sparse_delta)
 
     def _with_value(self, value: Any) -> AutoCastVariable:

@@ -19,11 +19,25 @@ from varstate._variable import Variable
 
 
 def convert_to_tensor_or_indexed_slices(value: Any, dtype: Any = None, name: str | None = None) -> Any:
-    """Returns `value` as IndexedSlices or a jax.Array; TypeError for anything else (as TF).
+    """Returns `value` as IndexedSlices or a jax.Array (TF's `convert_to_tensor_or_indexed_slices`).
 
-    Variables are read; IndexedSlices pass through. ValueError, as TF, when
-    `dtype` differs from that of IndexedSlices, a jax.Array or a Variable
-    (numbers and numpy arrays are converted to `dtype`).
+    Variables are read; IndexedSlices pass through; numbers, lists and numpy
+    arrays are converted.
+
+    Args:
+        value: an array, a number, a list, a Variable or IndexedSlices.
+        dtype: the dtype expected; numbers and numpy arrays are converted to
+            it, jax.Arrays, Variables and IndexedSlices must already have it.
+            None keeps the value's own.
+        name: a name for error messages.
+
+    Returns:
+        `value` itself if IndexedSlices, else a jax.Array.
+
+    Raises:
+        TypeError: `value` is not convertible (a string, a dict, None...).
+        ValueError: `dtype` differs from that of IndexedSlices, a jax.Array or
+            a Variable (never cast, as TF).
 
     >>> import varstate
     >>> varstate.convert_to_tensor_or_indexed_slices([1.0, 2.0]).tolist()

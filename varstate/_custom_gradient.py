@@ -330,10 +330,22 @@ def custom_gradient(f: Callable | None = None) -> Any:
     inside `f`) is internal. `f` runs twice per trace: once abstractly, to
     find what it reads, then inside the `custom_vjp`.
 
-    Errors as TF: ValueError for keyword arguments to `f` or a wrong number of
-    gradients; TypeError when `f` reads variables and `grad_fn` has no
-    `variables` keyword; a UserWarning when it names `variables` but none
-    were read.
+    Args:
+        f: the function ``f(*args) -> (y, grad_fn)``; None (``@custom_gradient()``)
+            returns the decorator itself.
+
+    Returns:
+        A function with `f`'s arguments returning `y`, differentiable by JAX
+        through `grad_fn`.
+
+    Raises:
+        ValueError: (when called, as TF) keyword arguments to `f`, or
+            `grad_fn` returning a wrong number of gradients or a gradient of
+            the wrong shape.
+        TypeError: (when called, as TF) `f` reads variables and `grad_fn` has
+            no `variables` keyword.
+
+    A UserWarning, as TF, when `grad_fn` names `variables` but `f` read none.
 
     >>> import jax, jax.numpy as jnp, varstate
     >>> @varstate.custom_gradient

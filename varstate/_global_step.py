@@ -30,6 +30,12 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     returned is the version created first: a training loop threads its own
     updated versions, the registry only keeps the identity.
 
+    Args:
+        registry: the `Registry` whose global step it is; None is the default one.
+
+    Returns:
+        The non-trainable scalar Variable named ``global_step``.
+
     >>> import varstate
     >>> r = varstate.Registry()
     >>> gs = varstate.get_or_create_global_step(r)
@@ -45,7 +51,14 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
 
 
 def assert_global_step(global_step: Any) -> None:
-    """TypeError unless `global_step` is a scalar integer Variable or array (TF's checks).
+    """Checks that `global_step` can be a global step, as TF's `assert_global_step` does.
+
+    Args:
+        global_step: the candidate: a Variable or an array.
+
+    Raises:
+        TypeError: `global_step` is not a Variable or array, not of an integer
+            dtype, or not a scalar.
 
     >>> import jax.numpy as jnp, varstate
     >>> varstate.assert_global_step(jnp.int32(3)) is None

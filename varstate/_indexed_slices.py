@@ -15,6 +15,15 @@ class IndexedSlices:
     A pytree: `values` and `indices` are children, `dense_shape` (a tuple or
     None) is static. Duplicate indices mean the rows add up, as in TF.
 
+    Args:
+        values: the rows, shape ``indices.shape + dense_shape[1:]``.
+        indices: integer row indices into the first dimension.
+        dense_shape: the full tensor's shape (a sequence of ints), or None
+            when unknown (then `to_dense` cannot run).
+
+    Raises:
+        TypeError: `dense_shape` is neither None nor a sequence of ints.
+
     >>> import jax.numpy as jnp, varstate
     >>> s = varstate.IndexedSlices(jnp.ones((2, 3)), jnp.array([0, 2]), (4, 3))
     >>> s.to_dense().sum(axis=1).tolist()
@@ -37,14 +46,23 @@ class IndexedSlices:
 
     @property
     def dtype(self) -> Any:
+        """The dtype of `values`."""
         return self.values.dtype
 
     @property
     def shape(self) -> tuple[int, ...] | None:
+        """The dense shape, or None when unknown (TF's ``IndexedSlices.shape``)."""
         return self.dense_shape
 
     def to_dense(self) -> jax.Array:
-        """The dense tensor (duplicate rows summed); needs `dense_shape`."""
+        """The dense tensor, duplicate rows summed and out-of-range rows dropped.
+
+        Returns:
+            A jax.Array of shape `dense_shape`, zeros where no row is given.
+
+        Raises:
+            ValueError: `dense_shape` is unknown (None).
+        """
         if self.dense_shape is None:
             raise ValueError("IndexedSlices.to_dense: dense_shape is unknown; pass it to the constructor.")
         out = jnp.zeros(self.dense_shape, self.values.dtype)

@@ -26,6 +26,22 @@ def uninitialized(
     Its value is a `jax.ShapeDtypeStruct`; use it as a restore template or
     initialize it with `zero_initializer`. Nothing is allocated.
 
+    Args:
+        shape: the shape, a sequence of non-negative ints.
+        dtype: the dtype.
+        name: the name, as `Variable`'s (default ``"Variable"``).
+        sharding: where the value will live (restore and `zero_initializer`
+            place it there); None for the default device.
+        trainable: whether the variable is trainable.
+        registry: the `Registry` the name is unique in; None is the default one.
+
+    Returns:
+        The uninitialized Variable (`Variable.is_initialized` is False).
+
+    Raises:
+        TypeError: `shape` is not a sequence of ints.
+        ValueError: a dimension is negative.
+
     >>> import jax.numpy as jnp, varstate
     >>> v = varstate.uninitialized((2, 3), jnp.float32, name="w")
     >>> v.is_initialized, varstate.zero_initializer(v).value.sum().item()
@@ -51,7 +67,16 @@ def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any):
 def zero_initializer(v: Variable) -> Variable:
     """A new version of the uninitialized `v` holding zeros, created on its devices.
 
-    ValueError if `v` already has a value (as TF's zero_initializer).
+    Args:
+        v: a Variable made by `uninitialized`.
+
+    Returns:
+        The new version, zeros with `v`'s shape, dtype and sharding (each
+        shard made on its own device, no host copy).
+
+    Raises:
+        TypeError: `v` is not a Variable.
+        ValueError: `v` already has a value (as TF's zero_initializer).
 
     >>> import jax.numpy as jnp, varstate
     >>> v = varstate.zero_initializer(varstate.uninitialized((3,), jnp.int32))

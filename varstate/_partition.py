@@ -17,6 +17,12 @@ from varstate._variable import Variable
 class SaveSliceInfo(NamedTuple):
     """Where a shard sits in its full variable (TF's `Variable.SaveSliceInfo`).
 
+    Args:
+        full_name: the full variable's name (TF's checkpoint key of the whole).
+        full_shape: the full variable's shape.
+        var_offset: where the shard starts in the full variable, per dimension.
+        var_shape: the shard's shape.
+
     >>> SaveSliceInfo("emb", (10, 4), (0, 0), (4, 4)).spec
     '10 4 0,4:0,4'
     """
@@ -28,14 +34,25 @@ class SaveSliceInfo(NamedTuple):
 
     @property
     def spec(self) -> str:
-        """TF's slice string: the full shape, then ``start,length`` per dimension."""
+        """TF's slice string, the full shape then ``start,length`` per dimension (``"10 4 0,4:0,4"``)."""
         dims = " ".join(str(d) for d in self.full_shape)
         parts = ":".join(f"{o},{s}" for o, s in zip(self.var_offset, self.var_shape, strict=True))
         return f"{dims} {parts}"
 
     @classmethod
     def from_spec(cls, full_name: str, spec: str) -> SaveSliceInfo:
-        """Parses TF's slice string (the inverse of `.spec`)."""
+        """Parses TF's slice string (the inverse of `spec`).
+
+        Args:
+            full_name: the full variable's name.
+            spec: TF's slice string, e.g. ``"10 4 0,4:0,4"``.
+
+        Returns:
+            The SaveSliceInfo it describes.
+
+        Raises:
+            ValueError: `spec` is malformed, or its ranks disagree.
+        """
         try:
             *dims, parts = spec.split(" ")
             full_shape = tuple(int(d) for d in dims)
@@ -50,6 +67,17 @@ class SaveSliceInfo(NamedTuple):
 
 def fixed_size_partitioner(num_shards: int, axis: int = 0):
     """A partitioner making `num_shards` shards (fewer if the axis is shorter), as TF's.
+
+    Args:
+        num_shards: how many shards to make (a positive int).
+        axis: the axis to split.
+
+    Returns:
+        A partitioner ``f(shape, dtype) -> list of shard counts per axis`` for
+        `PartitionedVariable`.
+
+    Raises:
+        ValueError: `num_shards` is not a positive int.
 
     >>> fixed_size_partitioner(3)((2, 5), "float32")
     [2, 1]
@@ -72,6 +100,20 @@ def _split_along(shape: Sequence[int], axis: int, shards: int) -> list[int]:
 
 def variable_axis_size_partitioner(max_shard_bytes: int, axis: int = 0, max_shards: int | None = None):
     """A partitioner keeping each shard under `max_shard_bytes`, as TF's.
+
+    Args:
+        max_shard_bytes: the largest size of a shard in bytes (a positive int);
+            a single row larger than it is still one shard.
+        axis: the axis to split.
+        max_shards: the most shards to make; None or 0 means no limit (as TF).
+
+    Returns:
+        A partitioner ``f(shape, dtype) -> list of shard counts per axis`` for
+        `PartitionedVariable`.
+
+    Raises:
+        ValueError: `max_shard_bytes` is not a positive int, or `max_shards` is
+            negative.
 
     >>> variable_axis_size_partitioner(64)((10, 4), "float32")  # 16 bytes a row: 4 rows a shard
     [3, 1]
@@ -111,11 +153,32 @@ def _part(value: Any, info: SaveSliceInfo) -> Any:
 class PartitionedVariable:
     """A variable stored as several shard Variables along one axis (TF's PartitionedVariable).
 
-    A pytree whose children are the shard Variables. Give `num_shards`,
-    `max_shard_bytes` or a `partitioner(shape, dtype) -> partitions`.
-    `sharding` places every shard on it (each shard split over a mesh, for
-    instance; in a `jax.distributed` job a mesh of all processes' devices,
-    the initial value then being a global array).
+    A pytree whose children are the shard Variables, named
+    ``<name>/part_<i>``, each with the `SaveSliceInfo` of its slice (what TF
+    checkpoints record). Iterating or indexing gives the shards.
+
+    Args:
+        initial_value: the full value (an array, or a callable returning one).
+        name: the full variable's name (required; `name_scope` prefixes it).
+        num_shards: split into this many shards (fewer if the axis is shorter).
+        max_shard_bytes: split so that each shard stays under this many bytes.
+        partitioner: ``f(shape, dtype) -> shards per axis`` (as TF's
+            partitioners; only `axis` may be split). Give exactly one of
+            `num_shards`, `max_shard_bytes` and `partitioner`.
+        axis: the axis to split (negative counts from the end).
+        trainable: whether the shards are trainable.
+        dtype: the dtype to convert `initial_value` to; None keeps its own.
+        registry: the `Registry` of the shards' names; None is the default one.
+        sharding: where to place every shard (each shard split over a mesh,
+            for instance; in a `jax.distributed` job a mesh of all processes'
+            devices, the initial value then being a global array); None leaves
+            them where the value is.
+
+    Raises:
+        TypeError: an empty or non-string name, or a `sharding` that is not a
+            ``jax.sharding.Sharding``.
+        ValueError: not exactly one of the three ways to split; a scalar value;
+            `axis` out of range; a partitioner that splits another axis.
 
     >>> import jax.numpy as jnp, varstate
     >>> pv = varstate.PartitionedVariable(jnp.arange(10.0).reshape(5, 2), name="emb", num_shards=2,
@@ -187,18 +250,22 @@ class PartitionedVariable:
 
     @property
     def name(self) -> str:
+        """The full variable's name, scopes included (the shards' names add ``/part_<i>``)."""
         return self._name
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The full variable's shape."""
         return self._shape
 
     @property
     def dtype(self) -> np.dtype:
+        """The dtype of every shard."""
         return self._dtype
 
     @property
     def variables(self) -> list[Variable]:
+        """The shard Variables, in order along the axis."""
         return list(self._variables)
 
     def __iter__(self) -> Iterator[Variable]:
@@ -215,7 +282,17 @@ class PartitionedVariable:
         return jnp.concatenate([v.read_value() for v in self._variables], axis=self._axis)
 
     def assign(self, value: Any) -> PartitionedVariable:
-        """A new version holding `value`, re-sliced into the same shards."""
+        """A new version holding `value`, re-sliced into the same shards (each shard's `Variable.assign`).
+
+        Args:
+            value: the full value, of the full variable's shape.
+
+        Returns:
+            The new PartitionedVariable version (same shards' identities).
+
+        Raises:
+            ValueError: `value` has another shape.
+        """
         value = jnp.asarray(value)
         if tuple(value.shape) != self._shape:
             raise ValueError(
@@ -245,6 +322,13 @@ jax.tree_util.register_pytree_with_keys(
 
 def expand_variables(var_list: Iterable[Any] | None) -> list[Any] | None:
     """Replaces each PartitionedVariable in `var_list` by its shards (TF's expanded list).
+
+    Args:
+        var_list: an iterable of Variables and PartitionedVariables, or None.
+
+    Returns:
+        A list with each PartitionedVariable replaced by its shards in order;
+        None for None.
 
     >>> import jax.numpy as jnp, varstate
     >>> r = varstate.Registry()

@@ -42,6 +42,15 @@ def name_scope(name: str) -> Iterator[str]:
 
     Scopes nest, as TF's ``tf.name_scope`` does, and are per thread.
 
+    Args:
+        name: the scope's name: a non-empty string without a trailing ``/``.
+
+    Yields:
+        The full scope in effect inside the block (``"outer/name"``).
+
+    Raises:
+        ValueError: `name` is empty, not a string, or ends with ``/``.
+
     >>> import varstate
     >>> with varstate.name_scope("dense"):
     ...     k = varstate.Variable(1.0, name="kernel", registry=varstate.Registry())
@@ -101,7 +110,7 @@ class Registry:
 
     @classmethod
     def default(cls) -> Registry:
-        """The process-wide registry used when none is given."""
+        """The process-wide registry, used when a Variable is given none (made on first use)."""
         if cls._default is None:
             with _id_lock:
                 if cls._default is None:
@@ -125,7 +134,15 @@ class Registry:
         return handle
 
     def get(self, resource_id: int, default=None):
-        """The `ResourceHandle` for `resource_id`, or `default`."""
+        """The `ResourceHandle` of a live resource (``registry[resource_id]`` raises KeyError instead).
+
+        Args:
+            resource_id: a Variable's `Variable.resource_id`.
+            default: what to return when no live resource has that id.
+
+        Returns:
+            The handle, or `default`.
+        """
         return self._entries.get(resource_id, default)
 
     def names(self) -> list[str]:
@@ -133,8 +150,17 @@ class Registry:
         return sorted(self._names)
 
     def unique_name(self, name: str) -> str:
-        """`name` if unused here, else `name_1`, `name_2`, ... (TF's scheme); reserves nothing (TF's
-        ``unique_name(name, mark_as_used=False)``): only creating a Variable takes the name.
+        """The name a Variable created now with `name` would get here (TF's ``unique_name``).
+
+        `name` if unused here, else ``name_1``, ``name_2``... (TF's scheme). It
+        reserves nothing (TF's ``unique_name(name, mark_as_used=False)``): only
+        creating a Variable takes the name.
+
+        Args:
+            name: the name asked for (scopes included).
+
+        Returns:
+            `name`, or `name` with the first free ``_<i>`` suffix.
 
         >>> r = Registry()
         >>> r.unique_name("kernel"), r.unique_name("kernel")

@@ -19,6 +19,12 @@ def values(tree: Any) -> Any:
     What a loss function or `jax.grad` wants from a params pytree; with it,
     `jax.tree.map` over two models works on their values.
 
+    Args:
+        tree: any pytree (Variables among its leaves or not).
+
+    Returns:
+        The same structure with each Variable's value (a jax.Array) in its place.
+
     >>> import jax.numpy as jnp, varstate
     >>> params = {"w": varstate.Variable(jnp.ones(2)), "n": 3}
     >>> varstate.values(params)["w"].tolist(), varstate.values(params)["n"]
@@ -32,6 +38,20 @@ def with_values(template: Any, arrays: Any) -> Any:
 
     Each new version keeps its Variable's identity (resource id, name), as
     `Variable.assign` does, and is checked the same way (shape and dtype).
+
+    Args:
+        template: a pytree whose Variables give the identities.
+        arrays: a pytree with `template`'s structure (what `values` returns);
+            a leaf where `template` has a Variable is its new value.
+
+    Returns:
+        `template`'s structure with new Variable versions, and `arrays`' leaves
+        where `template` has no Variable.
+
+    Raises:
+        ValueError: `arrays` does not have `template`'s structure, or a value's
+            shape differs from its Variable's.
+        TypeError: a value's dtype differs from its Variable's.
 
     >>> import jax.numpy as jnp, varstate
     >>> params = {"w": varstate.Variable(jnp.ones(2), name="w")}

@@ -246,6 +246,32 @@ class Variable(_ArrayOps):
     caller's `x`. A version whose buffer was donated raises
     `DonatedVariableError` when read.
 
+    Args:
+        initial_value: the value: an array, a number, nested lists, another
+            Variable (its value is read), or a callable returning one (called
+            once). A jax.Array is copied with its sharding.
+        name: the name before uniquification (default ``"Variable"``); the
+            enclosing `name_scope` prefixes it and the registry appends ``_1``,
+            ``_2``... to a name already taken. Checkpoints of TF1's Saver match
+            variables by it.
+        trainable: whether optimizers update it and gradients reach it; None
+            (default) means True unless `synchronization` is ON_READ.
+        dtype: the dtype to convert `initial_value` to; None keeps its own.
+        synchronization: a `VariableSynchronization` or its name (``"on_read"``),
+            recorded for checkpoints as TF does.
+        aggregation: a `VariableAggregation` or its name (``"sum"``), recorded for
+            checkpoints as TF does.
+        registry: the `Registry` the name is unique in; None is the default one.
+        save_slice_info: the `SaveSliceInfo` of a shard of a partitioned variable
+            (`PartitionedVariable` sets it); None for a whole variable.
+
+    Raises:
+        ValueError: created inside a JAX transformation (jit, grad, vmap); an
+            empty name or one with ``:``; an unknown synchronization or
+            aggregation name; ``trainable=True`` with ON_READ synchronization.
+        TypeError: a name that is not a string, a non-bool `trainable`, or an
+            `initial_value` that is not convertible to an array.
+
     >>> import jax, jax.numpy as jnp, varstate
     >>> v = varstate.Variable(jnp.zeros(3), name="w")
     >>> v2 = jax.jit(lambda v: v.assign_add(jnp.ones(3)))(v)
@@ -326,19 +352,22 @@ class Variable(_ArrayOps):
 
     @property
     def name(self) -> str:
-        """The unique name given at creation, scopes included (no ':0')."""
+        """The unique name given at creation, name scopes included, without TF's ``:0`` suffix."""
         return self._handle.name
 
     @property
     def trainable(self) -> bool:
+        """Whether optimizers update it and gradients reach it."""
         return self._handle.trainable
 
     @property
     def synchronization(self) -> VariableSynchronization:
+        """The `VariableSynchronization` given at creation."""
         return self._handle.synchronization
 
     @property
     def aggregation(self) -> VariableAggregation:
+        """The `VariableAggregation` given at creation."""
         return self._handle.aggregation
 
     @property
@@ -353,9 +382,12 @@ class Variable(_ArrayOps):
     # --- value ------------------------------------------------------------
     @property
     def value(self) -> Any:
-        """The current value: a jax.Array (a tracer under jit), or a ShapeDtypeStruct if uninitialized.
+        """The current value, a jax.Array (a tracer under jit) or a ShapeDtypeStruct if uninitialized.
 
-        `DonatedVariableError` if a jitted step donated this version's buffer.
+        Read-only: `assign` returns a new version (setting it raises AttributeError).
+
+        Raises:
+            DonatedVariableError: a jitted step donated this version's buffer.
         """
         if _read_hook is not None:
             return _read_hook(self)
@@ -373,22 +405,27 @@ class Variable(_ArrayOps):
 
     @property
     def is_initialized(self) -> bool:
+        """False for a Variable made by `uninitialized` (its value a ShapeDtypeStruct) until it gets a value."""
         return not isinstance(self._value, jax.ShapeDtypeStruct)
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The value's shape, a tuple of ints."""
         return tuple(self._value.shape)
 
     @property
     def dtype(self) -> np.dtype:
+        """The value's dtype."""
         return self._value.dtype
 
     @property
     def ndim(self) -> int:
+        """The value's number of dimensions."""
         return len(self._value.shape)
 
     @property
     def size(self) -> int:
+        """The value's number of elements."""
         return int(np.prod(self._value.shape, dtype=np.int64))
 
     @property
@@ -397,7 +434,12 @@ class Variable(_ArrayOps):
         return getattr(self._value, "sharding", None)
 
     def read_value(self) -> Any:
-        """The value; ValueError if the variable is uninitialized, `DonatedVariableError` if donated."""
+        """The value, a jax.Array (TF's `read_value`); `value` reads the same.
+
+        Raises:
+            ValueError: the variable is uninitialized (see `uninitialized`).
+            DonatedVariableError: a jitted step donated this version's buffer.
+        """
         value = self._value
         if type(value) is ArrayImpl:  # the common case first: one type test (operators read through here)
             if value.is_deleted():
@@ -443,15 +485,52 @@ class Variable(_ArrayOps):
         return _from_parts(value, self._handle)
 
     def assign(self, value: _Value) -> Variable:
-        """A new version holding `value` (same shape and dtype; a concrete jax.Array is copied)."""
+        """A new version holding `value`, with this variable's identity; this version is unchanged.
+
+        Args:
+            value: an array of the variable's shape and dtype (a Python number
+                or numpy value is converted); a concrete jax.Array is copied.
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError: `value` is not an array, or its dtype differs (a numpy
+                value of the same kind is converted, as TF does).
+            ValueError: its shape differs from the variable's.
+        """
         return _from_parts(self._checked(value, "assign"), self._handle)
 
     def assign_add(self, delta: _Value) -> Variable:
-        """A new version holding `value + delta`."""
+        """A new version holding ``value + delta`` (TF's `assign_add`).
+
+        Args:
+            delta: an array of the variable's shape and dtype.
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError: `delta` is not an array, or its dtype differs (a numpy
+                value of the same kind is converted, as TF does).
+            ValueError: its shape differs from the variable's.
+        """
         return _from_parts(self.read_value() + self._checked(delta, "assign_add"), self._handle)
 
     def assign_sub(self, delta: _Value) -> Variable:
-        """A new version holding `value - delta`."""
+        """A new version holding ``value - delta`` (TF's `assign_sub`).
+
+        Args:
+            delta: an array of the variable's shape and dtype.
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError: `delta` is not an array, or its dtype differs (a numpy
+                value of the same kind is converted, as TF does).
+            ValueError: its shape differs from the variable's.
+        """
         return _from_parts(self.read_value() - self._checked(delta, "assign_sub"), self._handle)
 
     def _scatter(self, sparse_delta: Any, op: str) -> Variable:
@@ -497,15 +576,60 @@ class Variable(_ArrayOps):
         return _from_parts(new, self._handle)
 
     def scatter_add(self, sparse_delta: IndexedSlices) -> Variable:
-        """Adds `IndexedSlices` rows into a new version (duplicates accumulate)."""
+        """A new version with the rows of `sparse_delta` added (TF's `scatter_add`; duplicates accumulate).
+
+        Args:
+            sparse_delta: `IndexedSlices` whose ``values`` have shape
+                ``indices.shape + variable.shape[1:]`` and the variable's dtype.
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError: `sparse_delta` is not IndexedSlices, its indices are not
+                integers or its values have another dtype.
+            ValueError: the variable is a scalar, or the values' shape is wrong.
+            IndexError: an index is out of range (checked outside jit; under
+                jit out-of-range rows are dropped).
+        """
         return self._scatter(sparse_delta, "scatter_add")
 
     def scatter_sub(self, sparse_delta: IndexedSlices) -> Variable:
-        """Subtracts `IndexedSlices` rows in a new version."""
+        """A new version with the rows of `sparse_delta` subtracted (TF's `scatter_sub`; duplicates accumulate).
+
+        Args:
+            sparse_delta: `IndexedSlices` whose ``values`` have shape
+                ``indices.shape + variable.shape[1:]`` and the variable's dtype.
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError: `sparse_delta` is not IndexedSlices, its indices are not
+                integers or its values have another dtype.
+            ValueError: the variable is a scalar, or the values' shape is wrong.
+            IndexError: an index is out of range (checked outside jit; under
+                jit out-of-range rows are dropped).
+        """
         return self._scatter(sparse_delta, "scatter_sub")
 
     def scatter_update(self, sparse_delta: IndexedSlices) -> Variable:
-        """Overwrites `IndexedSlices` rows in a new version."""
+        """A new version with the rows of `sparse_delta` written over (TF's `scatter_update`).
+
+        Args:
+            sparse_delta: `IndexedSlices` whose ``values`` have shape
+                ``indices.shape + variable.shape[1:]`` and the variable's dtype.
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError: `sparse_delta` is not IndexedSlices, its indices are not
+                integers or its values have another dtype.
+            ValueError: the variable is a scalar, or the values' shape is wrong.
+            IndexError: an index is out of range (checked outside jit; under
+                jit out-of-range rows are dropped).
+        """
         return self._scatter(sparse_delta, "scatter_update")
 
     def __len__(self) -> int:
@@ -563,6 +687,13 @@ jax.tree_util.register_pytree_with_keys(Variable, _flatten_with_keys, _unflatten
 def is_resource_variable(x: Any) -> bool:
     """True for varstate Variables (TF's `resource_variable_ops.is_resource_variable`).
 
+    Args:
+        x: any object; one that sets ``_should_act_as_resource_variable`` (an
+            `AutoCastVariable`) counts as a Variable, as in TF.
+
+    Returns:
+        Whether `x` is a Variable.
+
     >>> import varstate
     >>> varstate.is_resource_variable(varstate.Variable(1.0)), varstate.is_resource_variable(1.0)
     (True, False)
@@ -571,9 +702,15 @@ def is_resource_variable(x: Any) -> bool:
 
 
 def format_device(v: Any) -> str:
-    """``"<device> (resource)"``, or ``"(resource)"`` when the placement is unknown.
+    """The placement of a variable for messages, ``"<device> (resource)"`` as TF names a resource's device.
 
-    A variable sharded over several devices names its sharding.
+    Args:
+        v: a Variable (or anything with a ``sharding``).
+
+    Returns:
+        ``"<device> (resource)"`` for a variable on one device, ``"<sharding>
+        (resource)"`` for one sharded over several, ``"(resource)"`` when the
+        placement is unknown (no sharding, or a tracer under jit).
 
     >>> import varstate
     >>> varstate.format_device(varstate.Variable(1.0)).endswith("(resource)")

@@ -42,8 +42,16 @@ class Policy:
 
     ``"mixed_float16"`` / ``"mixed_bfloat16"`` compute in float16 / bfloat16
     with float32 variables; any dtype name (``"float32"``) uses that dtype for
-    both. TypeError for a non-string name, ValueError for an unknown one or
-    a removed ``*_float32_vars`` policy (as TF).
+    both.
+
+    Args:
+        name: the policy's name: ``"mixed_float16"``, ``"mixed_bfloat16"`` or
+            a dtype name (TF's aliases such as ``"float"`` included).
+
+    Raises:
+        TypeError: `name` is not a string (a dtype object: pass its name).
+        ValueError: `name` is unknown, or a removed ``*_float32_vars`` policy
+            (as TF).
 
     >>> from varstate import mixed_precision
     >>> p = mixed_precision.Policy("mixed_bfloat16")
@@ -60,6 +68,7 @@ class Policy:
 
     @property
     def name(self) -> str:
+        """The policy's name, as given."""
         return self._name
 
     @property
@@ -107,6 +116,13 @@ def _parse(name: str) -> tuple[str, str]:
 
 def autocast_variables(params: _Any) -> _Any:
     """`params` with each floating-point Variable wrapped in `AutoCastVariable` (others unchanged).
+
+    Args:
+        params: a pytree of Variables (and other leaves).
+
+    Returns:
+        The same structure, floating-point Variables wrapped; reads inside
+        `varstate.autocast` then give the compute dtype.
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate import mixed_precision

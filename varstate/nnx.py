@@ -72,6 +72,17 @@ def from_nnx(module_or_state: _Any, *, registry: _Registry | None = None) -> dic
     Each Variable copies its value (as `varstate.Variable` does), so a donated
     optimizer step never deletes the Module's arrays.
 
+    Args:
+        module_or_state: an nnx Module, or an `nnx.State` (``nnx.state(module)``).
+        registry: the `varstate.Registry` the Variables are named in; None is
+            the default one (where a name already taken gets a ``_1`` suffix:
+            pass a new registry to keep the paths exactly).
+
+    Returns:
+        ``{path part: ... {name: Variable}}`` as nested dicts, each Variable
+        named by its path (``layers/0/kernel``), trainable when its nnx type
+        is `nnx.Param`; RNG state left out.
+
     >>> import varstate
     >>> from flax import nnx
     >>> params = from_nnx(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), registry=varstate.Registry())
@@ -91,8 +102,18 @@ def from_nnx(module_or_state: _Any, *, registry: _Registry | None = None) -> dic
 def to_nnx(module: _Any, params: _Any) -> None:
     """Writes the values of `params` (as made by `from_nnx`, or a subset of it) into `module` (`nnx.update`).
 
-    Raises KeyError naming the first path of `params` that the Module does not
-    have, and ValueError naming a path whose shape or dtype differs.
+    Args:
+        module: the nnx Module to update in place.
+        params: nested dicts of Variables (or arrays) keyed by nnx path, as
+            `from_nnx` returns, or a subset of them.
+
+    Returns:
+        None; `module` holds the new values.
+
+    Raises:
+        TypeError: `module` is not an nnx Module.
+        KeyError: a path of `params` that the Module does not have (the first).
+        ValueError: a path whose shape or dtype differs from the Module's.
 
     >>> import jax.numpy as jnp, varstate
     >>> from flax import nnx

@@ -39,9 +39,9 @@ def structure_json(sv: pb.StructuredValue) -> Any:
     """A StructuredValue as JSON data: a TensorSpec as ``{"dtype", "shape"}`` (a symbolic dimension by its name,
     an unknown one as null), tuples and lists as ``{"tuple": [...]}`` / ``{"list": [...]}``, dicts as
     ``{"dict": {...}}``, None as null."""
-    out: Any = None
+    out: list[Any] = [None]  # holds the result, as any container holds a child
     # (value, parent container, key in it): depth is the file's to choose
-    stack: list[tuple[Any, Any, Any]] = [(sv, None, None)]
+    stack: list[tuple[Any, Any, Any]] = [(sv, out, 0)]
     while stack:
         value, parent, key = stack.pop()
         kind = value.WhichOneof("kind")
@@ -59,11 +59,8 @@ def structure_json(sv: pb.StructuredValue) -> Any:
             stack.extend((value.dict_value.fields[k], item["dict"], k) for k in item["dict"])
         else:
             item = None
-        if parent is None:
-            out = item
-        else:
-            parent[key] = item
-    return out
+        parent[key] = item
+    return out[0]
 
 
 def structure_text(data: Any) -> str:
@@ -81,8 +78,7 @@ def structure_text(data: Any) -> str:
         else:
             (kind, children), = item.items()
             if kind == "dict":
-                keys = list(children)
-                seq = [x for k in keys for x in (f"{k!r}: ", children[k], ", ")][:-1]
+                seq = [x for k, v in children.items() for x in (f"{k!r}: ", v, ", ")][:-1]
                 opened, closed = "{", "}"
             else:
                 seq = [x for c in children for x in (c, ", ")][:-1]

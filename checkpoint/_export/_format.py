@@ -54,6 +54,9 @@ def seal_problem(data: bytes) -> str | None:
 class Asset:
     """A file that goes with an export: copied into ``<export>/assets/``; loaded, `asset_path` points at the copy.
 
+    Args:
+        path: the file (it must exist when `export` runs).
+
     >>> import pathlib, tempfile, checkpoint
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
     >>> _ = (tmp / "vocab.txt").write_text("a b")
@@ -92,13 +95,27 @@ def register_revived_type(identifier: str, cls: type, *, version: int = 1, min_p
                           from_children: Callable[[dict[str, Any]], Any] | None = None) -> None:
     """Registers pytree type `cls` under `identifier` so `load` rebuilds it (TF's revived types).
 
-    `export` writes the highest registered `version` with `min_consumer_version`
-    and `bad_consumers`. `load` uses the highest registration whose version is
-    ``>= min_consumer`` of the file, not among its `bad_consumers`, and whose
+    `load` uses the highest registration whose version is ``>=`` the file's
+    min consumer version, not among its bad consumers, and whose
     `min_producer_version` the file's version reaches; with none it loads a
-    generic object and logs why. `from_children` builds the object from
-    ``{child name: loaded child}`` (default ``cls(**children)``, which suits
-    dataclasses and NamedTuples). Registering a version again replaces it.
+    generic object (`RevivedObject`) and logs why. Registering a version again
+    replaces it.
+
+    Args:
+        identifier: the name the export records for `cls` (new, non-empty;
+            one per type).
+        cls: the pytree type (a registered dataclass, a NamedTuple...).
+        version: this registration's version; `export` writes the highest.
+        min_producer_version: the oldest export version this code loads.
+        min_consumer_version: written by `export`: the oldest version that
+            may load what this version exports.
+        bad_consumers: written by `export`: versions that must not load it.
+        from_children: builds the object from ``{child name: loaded child}``;
+            None is ``cls(**children)``, which suits dataclasses and NamedTuples.
+
+    Raises:
+        ValueError: an empty or reserved `identifier`, or `cls` already
+            registered under another identifier.
 
     >>> import dataclasses, os, tempfile, jax, jax.numpy as jnp, varstate, checkpoint
     >>> @jax.tree_util.register_dataclass

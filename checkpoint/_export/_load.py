@@ -112,15 +112,12 @@ class Signature:
         what = f"Signature {self.name!r} of {self._where}"
         if len(args) != len(self._arg_trees):
             raise TypeError(f"{what} takes {len(self._arg_trees)} positional argument(s), got {len(args)}.")
-        leaves = []
         for i, (arg, tree) in enumerate(zip(args, self._arg_trees, strict=True)):
             found = jax.tree.structure(arg)
             if found != tree:
                 raise TypeError(f"{what}: argument {i} has structure {found}, expected {tree}.")
-            leaves.extend(jax.tree.leaves(arg))
-        for j, (x, aval) in enumerate(zip(leaves, self._arg_avals, strict=True)):
-            shape, dtype = (x.shape, x.dtype) if hasattr(x, "dtype") and hasattr(x, "shape") else (
-                np.shape(x), jnp.asarray(x).dtype)
+        for j, (x, aval) in enumerate(zip(jax.tree.leaves(args), self._arg_avals, strict=True)):
+            shape, dtype = np.shape(x), x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
             fits = len(shape) == len(aval.shape) and all(
                 jax.export.is_symbolic_dim(d) or d == n for d, n in zip(aval.shape, shape, strict=True))
             if dtype != aval.dtype or not fits:
@@ -133,12 +130,28 @@ class Signature:
 def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> RevivedObject:
     """Loads an export: an object whose attributes mirror the exported root, plus `signatures`.
 
-    Variables come back as `varstate.Variable`s with their names and flags (in
-    `registry`, by default a new one, so names are kept exactly), arrays and
-    Python scalars as they were, dicts/lists/tuples as such, registered types
-    through `register_revived_type`, other containers as generic objects, and
-    ``signatures[name](*args)`` runs the exported function. Needs none of the
-    code that made the export.
+    Variables come back as `varstate.Variable` objects with their names and
+    flags, arrays and Python scalars as they were, dicts/lists/tuples as such,
+    registered types through `register_revived_type`, other containers as
+    generic objects (`RevivedObject`), and ``signatures[name](*args)`` runs
+    the exported function. Needs none of the code that made the export.
+
+    Args:
+        directory: the export's directory (what `export` returned).
+        registry: the `varstate.Registry` the Variables are made in; None is
+            a new one, so that names are kept exactly.
+
+    Returns:
+        The root as an object with its children as attributes (a
+        `RevivedObject`, or the registered type of the root), whose
+        ``signatures`` maps each signature's name to a callable.
+
+    Raises:
+        FileNotFoundError: `directory` is not an export (no ``export.pb``).
+        CheckpointFormatError: a corrupt, incomplete or hostile export (a
+            link, a file over its size bound, a function file whose hash
+            does not match), naming the file.
+        ValueError: an export of a newer format version than this reader.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> root = {"scale": varstate.Variable(jnp.float32(3.0), name="scale", trainable=False), "offset": jnp.ones(2)}
@@ -319,7 +332,7 @@ class _Loader:
         shape, dtype = tuple(d.size for d in sv.shape.dim), _dtypes.BY_ENUM.get(sv.dtype)
         if value.shape != shape or value.dtype != dtype:
             raise self.fail(i, f"stored value is {value.dtype}{list(value.shape)}, the graph says {dtype}{list(shape)}")
-        held = self.held(value, self.names[i], attrs[0].checkpoint_key)
+        held = _dtypes.narrow_to_held(value, self.names[i], attrs[0].checkpoint_key)
         try:
             var = Variable(jnp.asarray(held), name=sv.name or None, trainable=sv.trainable,
                            synchronization=VariableSynchronization(sv.synchronization),
@@ -330,18 +343,13 @@ class _Loader:
             var = _seam.record_saved_dtype(var, value.dtype)
         return var
 
-    @staticmethod
-    def held(value: np.ndarray, name: str, key: str) -> np.ndarray:
-        """`value` in the dtype JAX holds it in: 64-bit types narrowed, with a range check, when x64 is off."""
-        return _dtypes.narrow_to_held(value, name, key)
-
     def constant(self, i: int, const: pb.SavedConstant) -> Any:
         key = const.operation
         value = self.value(i, key)
         if key.endswith(_keys.value_suffix(_keys.PY_STATE)):  # a Python scalar
             item = value.item()
             return item.decode() if isinstance(item, bytes) else item
-        return jnp.asarray(self.held(value, self.names[i], key))
+        return jnp.asarray(_dtypes.narrow_to_held(value, self.names[i], key))
 
     def asset(self, i: int, asset: pb.SavedAsset) -> Asset:
         index = asset.asset_file_def_index
@@ -368,10 +376,8 @@ class _Loader:
         return Asset(os.path.join(assets, name))
 
     def user_object(self, i: int, uo: pb.SavedUserObject) -> Any:
-        if uo.identifier == SIGNATURE_MAP:
-            return self.children(i)
         kids = self.children(i)
-        if uo.identifier == WRAPPERS[dict]:
+        if uo.identifier in (SIGNATURE_MAP, WRAPPERS[dict]):
             return kids
         if uo.identifier in (WRAPPERS[list], WRAPPERS[tuple]):
             items = [kids[k] for k in sorted(kids, key=lambda k: int(k) if k.isdigit() else -1)]

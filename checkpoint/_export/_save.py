@@ -11,6 +11,7 @@ with the restored values. Nothing loaded executes Python code from the files.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -37,8 +38,8 @@ from checkpoint._export._format import (
     seal,
 )
 from checkpoint._storage import EXPORT_FILE
+from checkpoint._storage._bundle_writer import tf_tensors
 from checkpoint._storage._files import replacing
-from checkpoint._storage._tensors import tf_tensors
 from checkpoint.protos import saved_object_graph_pb2 as pb
 from checkpoint.protos import types_pb2
 from checkpoint.protos.tensor_shape_pb2 import TensorShapeProto
@@ -49,7 +50,7 @@ from varstate import PartitionedVariable, _seam
 def export(directory: str | os.PathLike, root: Any,
            signatures: Mapping[str, tuple[Callable[..., Any], tuple[Any, ...]]] | None = None,
            *, platforms: tuple[str, ...] | None = None) -> str:
-    """Writes `root` (a pytree of Variables, arrays, Python scalars and `Asset`s) and its signatures.
+    """Exports `root` (Variables, arrays, Python scalars, `Asset` files) and its signatures to `directory`.
 
     `signatures` maps a name to ``(fn, example_args)``: ``fn(root, *args)`` is
     exported with `jax.export` for the shapes and dtypes of `example_args`
@@ -58,7 +59,27 @@ def export(directory: str | os.PathLike, root: Any,
     of `root` that `fn` reads become inputs of the exported function, so the
     loaded one computes with the restored values; anything else `fn` closes
     over is baked in. `platforms` (e.g. ``("cpu", "cuda")``) defaults to the
-    current backend. Returns the directory, which must not exist or be empty.
+    current backend.
+
+    Args:
+        directory: where to write; it must not exist or be empty.
+        root: a container pytree (dict, list, dataclass...) of Variables,
+            arrays, Python scalars and `Asset` objects.
+        signatures: ``{name: (fn, example_args)}``, as above; None exports
+            none.
+        platforms: the platforms the functions are compiled for (e.g.
+            ``("cpu", "cuda")``); None is the current backend.
+
+    Returns:
+        The directory (a str).
+
+    Raises:
+        FileExistsError: `directory` exists and is not empty.
+        TypeError: `root` is not a container; a signature that is not
+            ``(fn, example_args)`` or whose name is not a non-empty string.
+        ValueError: a child named ``signatures`` (reserved), or a
+            `PartitionedVariable` (not supported).
+        FileNotFoundError: an `Asset`'s file is missing.
 
     >>> import os, tempfile, jax, jax.numpy as jnp, varstate, checkpoint
     >>> params = {"w": varstate.Variable(jnp.full((3, 2), 0.5), name="w"), "b": varstate.Variable(jnp.ones(2))}
@@ -86,18 +107,14 @@ def export(directory: str | os.PathLike, root: Any,
     graph = _graph.build(kids)
     saved = pb.SavedObjectGraph()
     by_key = {s.key: s for s in graph.saveables}
-    objs: dict[int, Any] = {0: stripped}
     for i, node in enumerate(graph.proto.nodes):
         out = saved.nodes.add()
         out.children.extend(node.children)
         out.slot_variables.extend(node.slot_variables)
-        kids_of = dict(_graph.children(objs[i])) if node.children else {}
-        for ref in node.children:
-            objs.setdefault(ref.node_id, kids_of[ref.local_name])
         if node.attributes:
             _describe_value(out, by_key[node.attributes[0].checkpoint_key], graph.paths[i])
         else:
-            _describe_container(out, objs[i])
+            _describe_container(out, graph.objects[i] if i else stripped)
     # Replaces an empty directory, or none; never leaves a half export there.
     with replacing(directory) as (tmp,):
         os.makedirs(tmp)
@@ -161,10 +178,8 @@ def _add_assets(definition: pb.ExportDef, saved: pb.SavedObjectGraph, root: Any,
         if src not in copied:
             base, ext = os.path.splitext(os.path.basename(src))
             taken = {a.filename for a in definition.asset_file_def}
-            name, n = base + ext, 0
-            while name in taken:
-                n += 1
-                name = f"{base}_{n}{ext}"
+            candidates = itertools.chain([base + ext], (f"{base}_{n}{ext}" for n in itertools.count(1)))
+            name = next(c for c in candidates if c not in taken)
             os.makedirs(os.path.join(tmp, "assets"), exist_ok=True)
             shutil.copyfile(src, os.path.join(tmp, "assets", name))
             copied[src] = len(definition.asset_file_def)
@@ -193,6 +208,11 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
     saved.nodes[0].children.add(node_id=sig_map, local_name=SIGNATURES)
     is_leaf = lambda x: _graph.as_variable(x) is not None or isinstance(x, Asset)
     flat, treedef = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_leaf)
+    leaf_nodes = []  # per root leaf: its node if it is passed in as an input, else None (static)
+    for path, leaf in flat:
+        var = _graph.as_variable(leaf)
+        leaf_nodes.append(node_of_rid.get(var.resource_id) if var is not None else _node_at(
+            saved, [_keys.local_name(k) for k in path]) if isinstance(leaf, (jax.Array, np.ndarray)) else None)
     for i, (name, entry) in enumerate(sorted(signatures.items())):
         if not isinstance(name, str) or not name:
             raise TypeError(f"export: signature names must be non-empty strings, got {name!r}.")
@@ -201,11 +221,6 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
             raise TypeError(f"export: signature {name!r} must be (fn, example_args) with fn(root, *example_args), "
                             f"example_args a tuple; got {entry!r}.")
         fn, example_args = entry
-        leaf_nodes = []  # per root leaf: its node if it is passed in as an input, else None (static)
-        for path, leaf in flat:
-            var = _graph.as_variable(leaf)
-            leaf_nodes.append(node_of_rid.get(var.resource_id) if var is not None else _node_at(
-                saved, [_keys.local_name(k) for k in path]) if isinstance(leaf, (jax.Array, np.ndarray)) else None)
         arg_specs = jax.tree.map(_spec, tuple(example_args))
         try:
             # A first trace finds the inputs fn reads: only those are bound, as TF captures only what it reads.
@@ -262,6 +277,5 @@ def _feed(leaf: Any, value: Any) -> Any:
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
     var = _graph.as_variable(x)
     x = var.value if var is not None else x
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)  # no sharding: the export runs on any one device
+    # No sharding (a ShapeDtypeStruct's is dropped too): the export runs on any one device.
     return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)

@@ -21,7 +21,8 @@ from checkpoint._graph._walk import (
     is_prng_key,
     key_impl,
     kind,
-    slot_variables,
+    linked_slots,
+    node_variables,
     unwrap,
     variable_of,
 )
@@ -49,6 +50,7 @@ class Graph:
     proto: TrackableObjectGraph
     saveables: list[Saveable]
     paths: list[str]  # node id -> path ("" for the root)
+    objects: list[Any]  # node id -> the object walked (None for the root); slot nodes have none
 
 
 def build(roots: dict[str, Any]) -> Graph:
@@ -60,6 +62,13 @@ def build(roots: dict[str, Any]) -> Graph:
     objects: list[Any] = [None]
     kinds = [Kind.CONTAINER]
     node_of: dict[Any, int] = {}
+    saveables: list[Saveable] = []
+
+    def add_value(node_id: int, attribute: str, obj: Any, full_name: str) -> None:
+        key = _keys.attribute_key(paths[node_id], attribute)
+        nodes[node_id].attributes.add(name=attribute, full_name=full_name, checkpoint_key=key)
+        saveables.append(Saveable(key, obj, full_name, attribute))
+
     queue = collections.deque([(0, [(name, unwrap(roots[name])) for name in roots])])
     while queue:
         parent, kids = queue.popleft()
@@ -72,8 +81,7 @@ def build(roots: dict[str, Any]) -> Graph:
             if node_id is None:
                 node_id = len(nodes)
                 nodes.append(proto.nodes.add())
-                path = _keys.child_path(paths[parent], name)
-                paths.append(path)
+                paths.append(_keys.child_path(paths[parent], name))
                 labels.append(f"{labels[parent]}.{name}")
                 objects.append(child)
                 kinds.append(k)
@@ -81,40 +89,25 @@ def build(roots: dict[str, Any]) -> Graph:
                     node_of[ident] = node_id
                 if k in (Kind.CONTAINER, Kind.OPTIMIZER):
                     queue.append((node_id, children(child, labels[node_id])))
-            ref = nodes[parent].children.add()
-            ref.node_id, ref.local_name = node_id, name
-    saveables = []
+            nodes[parent].children.add(node_id=node_id, local_name=name)
     for node_id in range(1, len(objects)):
         k, obj, path = kinds[node_id], objects[node_id], paths[node_id]
         if k in VALUES:
-            attr = _keys.PY_STATE if k == Kind.PYTHON else _keys.VARIABLE_VALUE
-            key = _keys.attribute_key(path, attr)
             full_name = variable_of(obj).name if k == Kind.VARIABLE else obj.name if k == Kind.PARTITIONED else path
-            _add_attribute(nodes[node_id], attr, full_name, key)
-            saveables.append(Saveable(key, obj, full_name, attr))
+            add_value(node_id, _keys.PY_STATE if k == Kind.PYTHON else _keys.VARIABLE_VALUE, obj, full_name)
             value = variable_of(obj).value if k == Kind.VARIABLE else obj
             if k in (Kind.VARIABLE, Kind.ARRAY) and is_prng_key(value):
-                impl_key = _keys.attribute_key(path, PRNG_KEY_IMPL)
-                _add_attribute(nodes[node_id], PRNG_KEY_IMPL, full_name, impl_key)
-                saveables.append(Saveable(impl_key, key_impl(value), full_name, PRNG_KEY_IMPL))
+                add_value(node_id, PRNG_KEY_IMPL, key_impl(value), full_name)
     # Slots: found through their primary's resource id among all nodes, as TF
     # asks each optimizer for the slot of every variable in the graph (a slot
     # whose primary is not saved is skipped).
-    primary_node = {}
-    for node_id, (k, obj) in enumerate(zip(kinds, objects, strict=True)):
-        if k == Kind.VARIABLE:
-            primary_node[variable_of(obj).resource_id] = node_id
-        elif k == Kind.PARTITIONED:
-            for shard in obj:
-                primary_node[shard.resource_id] = node_id
+    primary_node = {v.resource_id: node_id for node_id, (k, obj) in enumerate(zip(kinds, objects, strict=True))
+                    if k in (Kind.VARIABLE, Kind.PARTITIONED) for v in node_variables(obj)}
     for opt_id in [i for i, k in enumerate(kinds) if k == Kind.OPTIMIZER]:
         grouped: dict[tuple[int, str], list[Variable]] = {}
-        for slot in slot_variables(objects[opt_id]):
-            link = _seam.slot_link(slot)  # never None: slot_variables yields slots
-            primary = primary_node.get(link[0]) if link is not None else None
-            if link is not None and primary is not None:
-                slot_name = link[1]
-                grouped.setdefault((primary, slot_name), []).append(slot)
+        for (rid, slot_name), slot in linked_slots(objects[opt_id]):
+            if rid in primary_node:
+                grouped.setdefault((primary_node[rid], slot_name), []).append(slot)
         for (primary, slot_name), shards in sorted(grouped.items()):
             if kinds[primary] == Kind.PARTITIONED and len(shards) != len(objects[primary]):
                 raise ValueError(
@@ -127,16 +120,13 @@ def build(roots: dict[str, Any]) -> Graph:
                 existing = len(nodes)
                 nodes.append(proto.nodes.add())
                 paths.append(_keys.slot_path(paths[primary], paths[opt_id], slot_name))
-                key = _keys.variable_key(paths[-1])
-                obj = shards[0] if kinds[primary] == Kind.VARIABLE else shards
                 full_name = shards[0].name if len(shards) == 1 else shards[0].save_slice_info.full_name
-                _add_attribute(nodes[existing], _keys.VARIABLE_VALUE, full_name, key)
-                saveables.append(Saveable(key, obj, full_name))
-            slot_ref = nodes[opt_id].slot_variables.add()
-            slot_ref.original_variable_node_id, slot_ref.slot_name, slot_ref.slot_variable_node_id = (
-                primary, slot_name, existing)
+                add_value(existing, _keys.VARIABLE_VALUE, shards[0] if kinds[primary] == Kind.VARIABLE else shards,
+                          full_name)
+            nodes[opt_id].slot_variables.add(original_variable_node_id=primary, slot_name=slot_name,
+                                             slot_variable_node_id=existing)
     _mark_values(proto)
-    return Graph(proto, saveables, paths)
+    return Graph(proto, saveables, paths, objects)
 
 
 def _mark_values(proto: TrackableObjectGraph) -> None:
@@ -151,11 +141,6 @@ def _mark_values(proto: TrackableObjectGraph) -> None:
                 has[i] = changed = True
     for node, value in zip(proto.nodes, has, strict=True):
         node.has_checkpoint_values.value = value
-
-
-def _add_attribute(node, name: str, full_name: str, key: str) -> None:
-    attr = node.attributes.add()
-    attr.name, attr.full_name, attr.checkpoint_key = name, full_name, key
 
 
 def node_names(proto: TrackableObjectGraph | SavedObjectGraph) -> list[str]:
@@ -186,17 +171,15 @@ def values(graph: Graph) -> dict[str, Any]:
     """{checkpoint key: array | Python scalar | [(SaveSliceInfo, array), ...]} for storage."""
     out: dict[str, Any] = {}
     for s in graph.saveables:
-        obj = s.obj
-        if isinstance(obj, (PartitionedVariable, list)):
-            shards = list(obj)
-            for v in shards:
+        if isinstance(s.obj, (PartitionedVariable, list)):
+            for v in s.obj:
                 if v.save_slice_info is None:
                     raise ValueError(f"Cannot save {s.key!r}: shard {v.name!r} has no SaveSliceInfo.")
                 _initialized(s.key, v.value)
-            out[s.key] = [(v.save_slice_info, _as_saved(v, v.value)) for v in shards]
+            out[s.key] = [(v.save_slice_info, _as_saved(v, v.value)) for v in s.obj]
         else:
-            var = as_variable(obj)
-            out[s.key] = _initialized(s.key, var.value if var is not None else obj)
+            var = as_variable(s.obj)
+            out[s.key] = _initialized(s.key, var.value if var is not None else s.obj)
             if is_prng_key(out[s.key]):
                 out[s.key] = jax.random.key_data(out[s.key])  # its implementation is the node's PRNG_KEY_IMPL
             elif var is not None:

@@ -21,7 +21,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._graph import _walk
 from checkpoint._graph._build import PRNG_KEY_IMPL, node_names
 from checkpoint._graph._walk import VALUES, Kind
-from varstate import PartitionedVariable, Variable, _seam
+from varstate import Variable, _seam
 
 _log = logging.getLogger("checkpoint")
 
@@ -127,20 +127,17 @@ def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
 def _match(st: RestoreState, obj, node_id, label, found: _Found) -> Any:
     k = _walk.kind(obj)
     if k in (Kind.VARIABLE, Kind.PARTITIONED):
-        found.rids.update(v.resource_id for v in _shards(obj))
+        found.rids.update(v.resource_id for v in _walk.node_variables(obj))
     if k == Kind.NONE:
         return obj
-    if node_id is None or not 0 <= node_id < len(st.proto.nodes):
+    node = st.proto.nodes[node_id] if node_id is not None and 0 <= node_id < len(st.proto.nodes) else None
+    if node is None or (k in VALUES and not node.attributes):
         _unmatched(st, obj, k, label)
         return obj
-    node = st.proto.nodes[node_id]
     if k in VALUES:
-        if not node.attributes:
-            _unmatched(st, obj, k, label)
-            return obj
         st.matched[node_id] = label
         if k in (Kind.VARIABLE, Kind.PARTITIONED):
-            st.node_rids[node_id] = [v.resource_id for v in _shards(obj)]
+            st.node_rids[node_id] = [v.resource_id for v in _walk.node_variables(obj)]
         cell = _Cell(obj, node.attributes[0].checkpoint_key, label, k)
         if k in (Kind.VARIABLE, Kind.ARRAY) and _walk.is_prng_key(_value(cell)):
             # Without a stored implementation (key data saved by orbax or flax), the template's: the shape
@@ -178,11 +175,7 @@ def _unmatched(st: RestoreState, obj, k, label) -> None:
 
 def _match_slots(st: RestoreState, opt: _OptCell, found: _Found) -> None:
     """A slot is matched through its primary's node and slot name (not the optimizer's layout)."""
-    templates: dict[tuple[int, str], Variable] = {}
-    for slot in _walk.slot_variables(opt.template):
-        link = _seam.slot_link(slot)
-        if link is not None:  # always: slot_variables yields slots
-            templates[link] = slot
+    templates = dict(_walk.linked_slots(opt.template))
     rid_node = {rid: n for n, rs in st.node_rids.items() for rid in rs}
     by_rid: dict[int, _Cell] = {}
     for ref in st.proto.nodes[opt.node_id].slot_variables:
@@ -211,17 +204,12 @@ def _load(st: RestoreState, cells: list[_Cell]) -> dict[str, Any]:
     reader = st.reader
     requests: dict[str, Any] = {}
     for cell in cells:
-        target = None
-        if cell.prng:
-            if cell.impl_key is not None:
-                requests.setdefault(cell.impl_key, None)
-            _check(reader, cell)  # key data: loaded on the host, wrapped into a key, then placed
-        elif _check(reader, cell):
-            pass  # narrowed to JAX's 32-bit type on the host, where its range is checked
-        elif cell.kind == Kind.VARIABLE and cell.info is None:
-            target = _target_sharding(_walk.variable_of(cell.template).value)
-        elif cell.kind == Kind.ARRAY and not isinstance(cell.template, (np.ndarray, np.generic)):
-            target = _target_sharding(cell.template)
+        # On the host: key data (wrapped into a key, then placed), a value narrowed to JAX's 32-bit type (where
+        # its range is checked) and a slice of a stored full value; the rest straight to the template's sharding.
+        on_host = _check(reader, cell) or cell.prng or cell.info is not None
+        target = None if on_host else _target_sharding(_value(cell))
+        if cell.impl_key is not None:
+            requests.setdefault(cell.impl_key, None)
         if cell.key not in requests:
             requests[cell.key] = target
         elif requests[cell.key] != target:
@@ -231,10 +219,6 @@ def _load(st: RestoreState, cells: list[_Cell]) -> dict[str, Any]:
 
 def _is_cell(x: Any) -> bool:
     return isinstance(x, (_Cell, _OptCell, _Merge))
-
-
-def _shards(obj: Any) -> list[Variable]:
-    return list(obj) if isinstance(obj, PartitionedVariable) else [_walk.variable_of(obj)]
 
 
 def _target_sharding(value: Any) -> Any:
@@ -252,14 +236,10 @@ def _expected(cell: _Cell) -> tuple[tuple[int, ...], np.dtype] | None:
     if cell.kind == Kind.PYTHON:
         return None
     if cell.prng:
-        spec = _walk.key_data_spec(_value(cell))
+        spec = jax.eval_shape(jax.random.key_data, _value(cell))  # the key data it is saved as
         return tuple(spec.shape), np.dtype(spec.dtype)
-    if cell.kind == Kind.PARTITIONED:
-        return tuple(t.shape), np.dtype(t.dtype)
-    v = _walk.variable_of(t) if cell.kind == Kind.VARIABLE else t
-    if cell.info is not None:
-        return tuple(cell.info.full_shape), np.dtype(v.dtype)
-    return tuple(v.shape), np.dtype(v.dtype)
+    v = _walk.variable_of(t) if cell.kind == Kind.VARIABLE else t  # a PartitionedVariable has the full shape
+    return tuple(v.shape if cell.info is None else cell.info.full_shape), np.dtype(v.dtype)
 
 
 def _check(reader: Any, cell: _Cell) -> bool:

@@ -8,21 +8,21 @@ container, a variable, a plain array, a Python scalar or an optimizer state;
 flax nnx: a Module's children are those of its `nnx.State` (each shared
 Variable once), and an nnx Variable stands for its value (nnx's ``value``
 level is no node), so a Module is named as TF names a tf.Module of the same
-attributes. A PRNG key array is saved as its key data (`key_data_spec`).
+attributes. A PRNG key array is saved as its key data.
 """
 
 from __future__ import annotations
 
 import enum
 import sys
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 
 from checkpoint import _keys
 from checkpoint._dtypes import PYTHON_TYPES
-from varstate import PartitionedVariable, Variable
+from varstate import PartitionedVariable, Variable, _seam
 from varstate.optimizers import OptimizerState
 
 PLAIN_SLOTS = "slots"  # the optimizer's child holding the slots of plain-array params
@@ -55,11 +55,8 @@ def as_variable(obj: Any) -> Variable | None:
 
 
 def variable_of(obj: Any) -> Variable:
-    """The Variable behind a node already walked as a variable (`as_variable` that cannot be None)."""
-    var = as_variable(obj)
-    if var is None:
-        raise TypeError(f"{type(obj).__name__} was walked as a variable but is not one (no __varstate_variable__).")
-    return var
+    """The Variable behind a node already walked as a variable (`kind` found one: `as_variable` is not None)."""
+    return cast(Variable, as_variable(obj))
 
 
 def _nnx() -> Any:
@@ -89,11 +86,6 @@ def key_impl(value: Any) -> str:
     return str(jax.random.key_impl(value))
 
 
-def key_data_spec(value: Any) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of the key data a PRNG key array is saved as."""
-    return jax.eval_shape(jax.random.key_data, value)
-
-
 def unwrap(obj: Any) -> Any:
     """An nnx Variable's value (nnx's ``value`` level is not a node); anything else as it is."""
     nnx = _nnx()
@@ -110,14 +102,6 @@ def nnx_split(obj: Any) -> tuple[Any, Any] | None:
 
 def nnx_merge(graphdef: Any, state: Any) -> Any:
     return _nnx().merge(graphdef, state)
-
-
-def _as_state(obj: Any) -> Any:
-    """An nnx Module as its nnx.State (shared Variables once each, as nnx sees them); anything else as it is."""
-    nnx = _nnx()
-    if nnx is not None and isinstance(obj, nnx.Module):
-        return nnx.state(obj)
-    return obj
 
 
 def kind(obj: Any) -> Kind:
@@ -145,7 +129,10 @@ def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
         if jax.tree.leaves(plain):
             kids.append((PLAIN_SLOTS, plain))
         return kids
-    pairs, _ = _flatten_one(_as_state(obj), where)
+    nnx = _nnx()
+    if nnx is not None and isinstance(obj, nnx.Module):  # as its nnx.State: shared Variables once each
+        obj = nnx.state(obj)
+    pairs, _ = _flatten_one(obj, where)
     return [(_keys.local_name(path[0]), unwrap(child)) for path, child in pairs]
 
 
@@ -171,23 +158,20 @@ def plain_slots(state: OptimizerState) -> Any:
     They are saved as the optimizer's child ``slots`` (not in TF, which has no
     plain-array params); a state with only slot Variables has none.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(state.slots, is_leaf=_slot_leaf)
-    return treedef.unflatten([None if _slot_leaf(x) else x for x in leaves])
+    return jax.tree.map(lambda x: None if _slot_leaf(x) else x, state.slots, is_leaf=_slot_leaf)
 
 
 def merge_slots(template: Any, variable_slots, plain: Any) -> Any:
     """`template` (an OptimizerState's slots) with slot Variables from `variable_slots(v)`, the rest from `plain`."""
-    leaves, treedef = jax.tree_util.tree_flatten(template, is_leaf=_slot_leaf)
-    plain_leaves = jax.tree_util.tree_flatten(plain, is_leaf=lambda x: x is None)[0]
-    out = []
-    for leaf, p in zip(leaves, plain_leaves, strict=True):
+
+    def one(leaf: Any, p: Any) -> Any:
         if isinstance(leaf, Variable):
-            out.append(variable_slots(leaf))
-        elif isinstance(leaf, PartitionedVariable):
-            out.append(jax.tree.map(variable_slots, leaf, is_leaf=lambda x: isinstance(x, Variable)))
-        else:
-            out.append(leaf if leaf is None else p)
-    return treedef.unflatten(out)
+            return variable_slots(leaf)
+        if isinstance(leaf, PartitionedVariable):
+            return jax.tree.map(variable_slots, leaf, is_leaf=lambda x: isinstance(x, Variable))
+        return leaf if leaf is None else p
+
+    return jax.tree.map(one, template, plain, is_leaf=_slot_leaf)
 
 
 def rebuild(obj: Any, fn, where: str = "an object") -> Any:
@@ -220,14 +204,21 @@ def slot_variables(state: OptimizerState) -> list[Variable]:
     A variable held at two places (tied weights) has one slot, found at both
     places of the state: it is one saved value, not two shards of one.
     """
-    leaves = jax.tree.leaves(state.slots, is_leaf=lambda x: isinstance(x, (Variable, PartitionedVariable)))
-    out, seen = [], set()
-    for leaf in leaves:
-        for v in leaf if isinstance(leaf, PartitionedVariable) else [leaf] if isinstance(leaf, Variable) else []:
-            if v.resource_id not in seen:
-                seen.add(v.resource_id)
-                out.append(v)
-    return out
+    out: dict[int, Variable] = {}
+    for v in jax.tree.leaves(state.slots, is_leaf=lambda x: isinstance(x, Variable)):  # a PartitionedVariable's too
+        if isinstance(v, Variable):
+            out.setdefault(v.resource_id, v)
+    return list(out.values())
+
+
+def linked_slots(state: OptimizerState) -> list[tuple[tuple[int, str], Variable]]:
+    """`slot_variables` with each slot's link: (its primary's resource id, its slot name)."""
+    return [(link, v) for v in slot_variables(state) if (link := _seam.slot_link(v)) is not None]
+
+
+def node_variables(obj: Any) -> list[Variable]:
+    """The Variables of a node walked as a variable or a partitioned variable: itself, or its shards."""
+    return list(obj) if isinstance(obj, PartitionedVariable) else [variable_of(obj)]
 
 
 def identity(obj: Any, k: Kind) -> Any:

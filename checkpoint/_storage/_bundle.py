@@ -59,9 +59,7 @@ def _signed_num_increasing(value: int) -> bytes:
     # OrderedCode's signed form: n bytes of two's complement whose first n bits
     # (inverted for negatives) say n, so that encodings sort as the numbers do.
     x = ~value if value < 0 else value
-    n = 1
-    while x >= 1 << (7 * n - 1):
-        n += 1
+    n = (x.bit_length() + 7) // 7  # the fewest n with x < 2 ** (7n - 1)
     bits = (value & ((1 << (8 * n)) - 1)) ^ (((1 << n) - 1) << (7 * n))
     return bits.to_bytes(n, "big")
 
@@ -97,6 +95,7 @@ class BundleReader:
 
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = os.fspath(prefix)
+        self.path = self.prefix  # the Reader protocol's name for it
         self.index_path = self.prefix + ".index"
         self._root = os.path.dirname(os.path.abspath(self.prefix))  # every file must resolve inside it
         within(self._root, self.index_path)
@@ -147,10 +146,6 @@ class BundleReader:
         return f"BundleReader({self.prefix!r}, {len(self.keys())} tensors)"
 
     @property
-    def path(self) -> str:
-        return self.prefix
-
-    @property
     def format_name(self) -> str:
         return f"TF {'object' if self.object_graph is not None else 'name'}-based checkpoint"
 
@@ -173,9 +168,7 @@ class BundleReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The full shape of tensor `key`."""
-        return self._shape(key, self.entry(key))
-
-    def _shape(self, key: str, entry) -> tuple[int, ...]:
+        entry = self.entry(key)
         shape = tuple(d.size for d in entry.shape.dim)
         too_big = math.prod(d or 1 for d in shape) > (1 << 59)  # numpy refuses even with a zero dimension
         if entry.shape.unknown_rank or any(d < 0 for d in shape) or len(shape) > 64 or too_big:
@@ -184,9 +177,7 @@ class BundleReader:
 
     def dtype(self, key: str) -> np.dtype:
         """The numpy dtype of tensor `key` (`object` for strings, whose values are bytes)."""
-        return self._dtype(key, self.entry(key).dtype)
-
-    def _dtype(self, key: str, enum: int) -> np.dtype:
+        enum = self.entry(key).dtype
         if enum == _STRING:
             return np.dtype(object)
         try:
@@ -202,9 +193,8 @@ class BundleReader:
 
         `reader.get(key)[s]` is the value of slice `s`.
         """
-        entry = self.entry(key)
-        shape = self._shape(key, entry)
-        return [self._extents(key, s, shape)[1] for s in entry.slices]
+        shape = self.shape(key)
+        return [self._extents(key, s, shape)[1] for s in self.entry(key).slices]
 
     def _extents(self, key: str, proto, shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], tuple[slice, ...]]:
         if len(proto.extent) != len(shape):
@@ -228,9 +218,9 @@ class BundleReader:
 
     def get(self, key: str) -> np.ndarray:
         """The value of tensor `key` (a new array; strings as an object array of bytes)."""
+        shape = self.shape(key)
+        dtype = self.dtype(key)
         entry = self.entry(key)
-        shape = self._shape(key, entry)
-        dtype = self._dtype(key, entry.dtype)
         if not entry.slices:
             return self._read(key, entry, self._locate(key, entry, shape, dtype), shape, dtype)
         # Linear in the slices: a hostile index may hold tens of thousands for one tensor.
@@ -250,9 +240,8 @@ class BundleReader:
                     f"{self.index_path}: a slice of key {key!r} has {_dtype_name(sentry.dtype)}, the full "
                     f"tensor {_dtype_name(entry.dtype)}"
                 )
-            box = [(i.start, i.stop - i.start) for i in index]
-            part_shape = tuple(n for _, n in box)
-            boxes.append(box)
+            part_shape = tuple(i.stop - i.start for i in index)
+            boxes.append([(i.start, n) for i, n in zip(index, part_shape, strict=True)])
             parts.append((index, sentry, part_shape, self._locate(key, sentry, part_shape, dtype)))
         try:
             tiled = _keys.covers_exactly(shape, boxes)
@@ -270,15 +259,12 @@ class BundleReader:
                 f"{available}"
             )
         out = np.empty(shape, dtype)  # only now: the slices' stored bytes account for every element
-        if dtype.kind == "O" or len(parts) < 2:
-            for index, sentry, part_shape, located in parts:
-                out[index] = self._read(key, sentry, located, part_shape, dtype)
-            return out
         for shard in {p[1].shard_id for p in parts}:
             group = [p for p in parts if p[1].shard_id == shard]
             start = min(p[1].offset for p in group)
             span = max(p[1].offset + p[1].size for p in group) - start
-            if span > 2 * sum(p[1].size for p in group) + (1 << 20):  # scattered: one read each
+            # Strings, a lone slice, or slices scattered in the file: one read each.
+            if dtype.kind == "O" or len(group) < 2 or span > 2 * sum(p[1].size for p in group) + (1 << 20):
                 for index, sentry, part_shape, located in group:
                     out[index] = self._read(key, sentry, located, part_shape, dtype)
                 continue

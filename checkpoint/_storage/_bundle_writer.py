@@ -1,4 +1,7 @@
-"""`write_bundle`: values -> a TensorBundle (`.index` + one data shard) that TensorFlow reads."""
+"""`write_bundle`: values -> a TensorBundle (`.index` + one data shard) that TensorFlow reads.
+
+`tf_tensors` turns checkpoint values (host arrays, slices, Python scalars) into the values it takes.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ from checkpoint import _dtypes, _keys
 from checkpoint._storage._bundle import VERSION, data_filename, slice_key
 from checkpoint._storage._crc import crc32c, mask
 from checkpoint._storage._files import replacing
-from checkpoint._storage._table import write_table
-from checkpoint.protos import tensor_bundle_pb2, tensor_shape_pb2, types_pb2
+from checkpoint._storage._table import read_table, varint, write_table
+from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
-__all__ = ["Sliced", "write_bundle", "write_bundle_of_processes"]
+__all__ = ["Sliced", "tf_tensors", "write_bundle", "write_bundle_of_processes"]
 
 _OVERLAP_BYTES = 1 << 20  # a value this large has its checksum computed beside its write
 
@@ -43,8 +46,6 @@ def _records(tensors: Mapping[str, Any]) -> list[tuple[bytes, str, Any, Any]]:
         if not isinstance(value, Sliced):
             records.append((name, key, value, None))
             continue
-        full = tensor_bundle_pb2.BundleEntryProto()
-        full.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in value.full_shape)
         boxes = []
         for offset, part in value.parts:
             part = np.asarray(part)
@@ -52,22 +53,25 @@ def _records(tensors: Mapping[str, Any]) -> list[tuple[bytes, str, Any, Any]]:
                     o < 0 or o + n > d for o, n, d in zip(offset, part.shape, value.full_shape, strict=True)):
                 raise ValueError(f"write_bundle: a slice of {key!r} at {offset} with shape {part.shape} does not fit "
                                  f"its full shape {value.full_shape}.")
-            # Lengths are explicit even where a slice spans a whole dimension, as TF1's Saver writes them.
-            extents = list(zip(offset, part.shape, strict=True))
-            proto = full.slices.add()
-            for o, n in extents:
-                proto.extent.add(start=o, length=n)
             boxes.append(list(zip(offset, part.shape, strict=True)))
-            records.append((slice_key(name, extents), f"{key} (slice at {offset})", part, None))
+            records.append((slice_key(name, boxes[-1]), f"{key} (slice at {offset})", part, None))
         if not _keys.covers_exactly(value.full_shape, boxes):
             raise ValueError(f"write_bundle: the slices of {key!r} overlap or do not cover its shape "
                              f"{value.full_shape}.")
         dtypes = {np.asarray(p).dtype for _, p in value.parts}
         if len(dtypes) != 1:
             raise ValueError(f"write_bundle: the slices of {key!r} have different dtypes {sorted(map(str, dtypes))}.")
-        full.dtype = _as_value(key, np.zeros(0, dtypes.pop()))[0]
-        records.append((name, key, None, full))
+        records.append((name, key, None, _full_entry(key, value.full_shape, dtypes.pop(), boxes)))
     return sorted(records, key=lambda r: r[0])
+
+
+def _full_entry(key: str, full_shape: tuple[int, ...], dtype: np.dtype, boxes: list) -> bytes:
+    """The stored entry of a tensor saved as slices: shape, dtype and each slice's (start, length) per dimension."""
+    # Lengths are explicit even where a slice spans a whole dimension, as TF1's Saver writes them.
+    return tensor_bundle_pb2.BundleEntryProto(
+        dtype=_as_value(key, np.zeros(0, dtype))[0], shape={"dim": [{"size": d} for d in full_shape]},
+        slices=[{"extent": [{"start": o, "length": n} for o, n in box]} for box in boxes],
+    ).SerializeToString()
 
 
 def _as_value(key: str, value) -> tuple[types_pb2.DataType, np.ndarray | bytes, tuple[int, ...], int | None]:
@@ -89,25 +93,16 @@ def _as_value(key: str, value) -> tuple[types_pb2.DataType, np.ndarray | bytes, 
 
 
 def _encode_strings(key: str, arr: np.ndarray) -> tuple[bytes, int]:
-    items = []
-    for s in arr.reshape(-1).tolist():
-        if isinstance(s, str):
-            s = s.encode("utf-8")
+    items = [s.encode("utf-8") if isinstance(s, str) else s for s in arr.reshape(-1).tolist()]
+    for s in items:
         if not isinstance(s, bytes):
             raise TypeError(f"write_bundle: key {key!r} holds {type(s).__name__}, expected bytes or str elements.")
-        items.append(s)
-    lengths = bytearray()
-    for s in items:
-        n = len(s)
-        while n >= 0x80:
-            lengths.append((n & 0x7F) | 0x80)
-            n >>= 7
-        lengths.append(n)
+    lengths = b"".join(varint(len(s)) for s in items)
     # Both checksums cover the lengths as fixed-width integers, not as the varints stored.
     packed = b"".join(struct.pack("<I" if len(s) <= 0xFFFFFFFF else "<Q", len(s)) for s in items)
     checksum = struct.pack("<I", mask(crc32c(packed)))
     strings = b"".join(items)
-    return bytes(lengths) + checksum + strings, crc32c(strings, crc32c(checksum, crc32c(packed)))
+    return lengths + checksum + strings, crc32c(strings, crc32c(checksum, crc32c(packed)))
 
 
 def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
@@ -122,13 +117,12 @@ def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     prefix = os.fspath(prefix)
     records = _records(tensors)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    header = tensor_bundle_pb2.BundleHeaderProto(num_shards=1, version={"producer": VERSION})
     with replacing(data_filename(prefix, 0, 1), prefix + ".index", tempstate=True) as (data, index):
-        _write_index(index, header, _write_data(data, records, 0))
+        _write_index(index, 1, _write_data(data, records, 0))
 
 
-def _write_data(temp_path: str, records: list, shard: int) -> list[tuple[bytes, Any]]:
-    """Writes the values of `records` to `temp_path`; returns their index entries (in shard `shard`)."""
+def _write_data(temp_path: str, records: list, shard: int) -> list[tuple[bytes, bytes]]:
+    """Writes the values of `records` to `temp_path`; returns their stored index entries (in shard `shard`)."""
     items = []
     with ThreadPoolExecutor(1) as pool, open(temp_path, "wb") as f:
         offset = 0
@@ -144,20 +138,43 @@ def _write_data(temp_path: str, records: list, shard: int) -> list[tuple[bytes, 
             job = pool.submit(crc32c, data) if crc is None else None
             f.write(data)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ from Python 3.12
             entry = tensor_bundle_pb2.BundleEntryProto(
-                dtype=enum, shard_id=shard, offset=offset, size=size,
+                dtype=enum, shape={"dim": [{"size": d} for d in shape]}, shard_id=shard, offset=offset, size=size,
                 crc32c=mask(crc if job is None else job.result()),  # type: ignore[arg-type]  # crc is None only with a job
             )
-            entry.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape)
-            items.append((name, entry))
+            items.append((name, entry.SerializeToString()))
             offset += size
     return items
 
 
-def _write_index(temp_path: str, header: Any, items: list[tuple[bytes, Any]]) -> None:
-    index = write_table([(b"", header.SerializeToString())] +
-                        [(k, v.SerializeToString()) for k, v in sorted(items, key=lambda kv: kv[0])])
+def _write_index(temp_path: str, num_shards: int, items: list[tuple[bytes, bytes]]) -> None:
+    header = tensor_bundle_pb2.BundleHeaderProto(num_shards=num_shards, version={"producer": VERSION})
+    index = write_table([(b"", header.SerializeToString()), *sorted(items)])
     with open(temp_path, "wb") as f:
         f.write(index)
+
+
+def tf_tensors(values: dict[str, Any], object_graph: bytes) -> dict[str, Any]:
+    """{checkpoint key: value | [(slice info, part), ...]} as `write_bundle`'s tensors (slices assembled)."""
+    tensors: dict[str, Any] = {}
+    for key, v in values.items():
+        if isinstance(v, list):
+            full = np.zeros(v[0][0].full_shape, np.dtype(v[0][1].dtype))
+            for info, part in v:
+                full[_keys.slice_index(info.var_offset, info.var_shape)] = part  # a jax.Array copies itself over
+            tensors[key] = full
+        elif isinstance(v, str):
+            tensors[key] = v.encode()
+        elif isinstance(v, (bool, int, float)):
+            if type(v) is int and not -(2**63) <= v < 2**63:
+                raise OverflowError(
+                    f"Cannot save {key!r} in the TF format: the Python int {v} does not fit in int64. Save with "
+                    "format='orbax' (any int), or store the number as a string."
+                )
+            tensors[key] = np.asarray(v, np.int64 if type(v) is int else None)
+        else:
+            tensors[key] = np.asarray(v)  # a jax.Array copies itself to the host
+    tensors[_keys.OBJECT_GRAPH_KEY] = object_graph
+    return tensors
 
 
 # ---------------------------------------------------------------------------
@@ -178,48 +195,32 @@ def write_bundle_of_processes(prefix: str, tensors: Mapping[str, Any], process: 
     each sliced tensor's slices, as TF's MergeBundles merges the bundles of
     a sharded save. TensorFlow and `BundleReader` read it as any bundle.
     """
-    prefix = os.fspath(prefix)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    mine: dict[Any, Any] = {}
-    fulls: dict[bytes, Any] = {}
+    records: dict[bytes, tuple] = {}  # by table key
+    fulls: dict[bytes, bytes] = {}  # the entry of each sliced tensor, listing every process's slices
     for key, value in tensors.items():
         pieces = _pieces(value, process)
         if pieces is None:  # every process holds it whole: process 0 writes it
             if process == 0:
-                mine[key] = value
+                records.update((r[0], r) for r in _records({key: value}))
             continue
         full_shape, dtype, boxes, parts = pieces
         name = key.encode("utf-8", "surrogateescape")
-        full = tensor_bundle_pb2.BundleEntryProto()
-        full.shape.dim.extend(tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in full_shape)
-        full.dtype = _as_value(key, np.zeros(0, dtype))[0]
-        for box in sorted(boxes):
-            proto = full.slices.add()
-            for o, n in box:
-                proto.extent.add(start=o, length=n)
-        fulls[name] = full
+        fulls[name] = _full_entry(key, full_shape, dtype, sorted(boxes))
         for offset, part in parts:
             part = np.asarray(part)
-            mine[(name, tuple(zip(offset, part.shape, strict=True)))] = part
-    records = []
-    for key, value in mine.items():
-        if isinstance(key, tuple):
-            name, extents = key
-            records.append((slice_key(name, list(extents)), f"{name.decode(errors='replace')} (slice at "
-                                                            f"{[o for o, _ in extents]})", value, None))
-        else:
-            records.extend(_records({key: value}))
+            skey = slice_key(name, list(zip(offset, part.shape, strict=True)))
+            records[skey] = (skey, f"{key} (slice at {list(offset)})", part, None)
     with replacing(data_filename(prefix, process, processes), tempstate=True) as (data,):
-        items = _write_data(data, sorted(records, key=lambda r: r[0]), process)
-    blobs = allgather(_encode_items(items))  # after every process's data file is in place
+        items = _write_data(data, sorted(records.values(), key=lambda r: r[0]), process)
+    blobs = allgather(write_table(items))  # after every process's data file is in place
     if process != 0:
         return
     merged = dict(fulls)
-    for blob in blobs:
-        merged.update(_decode_items(blob))
-    header = tensor_bundle_pb2.BundleHeaderProto(num_shards=processes, version={"producer": VERSION})
+    for i, blob in enumerate(blobs):
+        merged.update(read_table(blob, f"the index entries of process {i}"))
     with replacing(prefix + ".index", tempstate=True) as (index,):  # the index last: it is what makes the bundle
-        _write_index(index, header, list(merged.items()))
+        _write_index(index, processes, list(merged.items()))
 
 
 def _pieces(value: Any, process: int) -> tuple | None:
@@ -245,42 +246,16 @@ def _pieces(value: Any, process: int) -> tuple | None:
 
 def _global_boxes(value: Any) -> list[tuple[tuple[int, int], ...]] | None:
     """The distinct shards ((start, length) per dimension) of an array no process holds whole; else None."""
-    import sys
-
-    if "jax" not in sys.modules:
-        return None
-    import jax
+    import jax  # loaded: several processes save only through it
 
     if not isinstance(value, jax.Array) or value.is_fully_addressable or value.is_fully_replicated:
         return None
     shape = value.shape
-    return sorted({_box(index, shape) for index in value.sharding.devices_indices_map(shape).values()})
-
-
-def _box(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple((s.indices(d)[0], len(range(*s.indices(d)))) for s, d in zip(index, shape, strict=True))
+    return sorted({_keys.box_of(index, shape) for index in value.sharding.devices_indices_map(shape).values()})
 
 
 def _held_parts(value: Any) -> list[tuple[tuple[int, ...], Any]]:
     """(offset, data) of the shards this process writes: replica 0 of each it holds."""
-    return [(tuple(o for o, _ in _box(s.index, value.shape)), s.data)
+    return [(tuple(o for o, _ in _keys.box_of(s.index, value.shape)), s.data)
             for s in value.addressable_shards if s.replica_id == 0]
 
-
-def _encode_items(items: list[tuple[bytes, Any]]) -> bytes:
-    out = bytearray()
-    for name, entry in items:
-        raw = entry.SerializeToString()
-        out += struct.pack("<II", len(name), len(raw)) + name + raw
-    return bytes(out)
-
-
-def _decode_items(blob: bytes) -> dict[bytes, Any]:
-    items, at = {}, 0
-    while at < len(blob):
-        n, m = struct.unpack_from("<II", blob, at)
-        at += 8
-        name, raw = blob[at:at + n], blob[at + n:at + n + m]
-        at += n + m
-        items[name] = tensor_bundle_pb2.BundleEntryProto.FromString(raw)
-    return items

@@ -10,6 +10,7 @@ releases the GIL; small ones and pure-Python builds use the public API.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -18,19 +19,14 @@ _MASK_DELTA = 0xA282EAD8
 _CTYPES_FROM = 1 << 16  # below this, the ctypes call costs more than the GIL it frees
 
 
-def _load_extend():
-    try:
-        from google_crc32c import _crc32c
+try:
+    from google_crc32c import _crc32c
 
-        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
-    except (ImportError, OSError, AttributeError):  # pure-Python build of google_crc32c
-        return None
-    fn.restype = ctypes.c_uint32
-    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-    return fn
-
-
-_extend = _load_extend()
+    _extend: Any = ctypes.CDLL(_crc32c.__file__).crc32c_extend
+    _extend.restype = ctypes.c_uint32
+    _extend.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+except (ImportError, OSError, AttributeError):  # pure-Python build of google_crc32c
+    _extend = None
 
 
 def crc32c(data, crc: int = 0) -> int:

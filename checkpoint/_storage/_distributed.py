@@ -67,11 +67,6 @@ def process_index() -> int:
     return jax.process_index() if process_count() > 1 else 0
 
 
-def is_primary() -> bool:
-    """True on the process that writes shared files (the state file, the index): process 0."""
-    return process_index() == 0
-
-
 _USES: dict[str, int] = {}
 _USES_LOCK = threading.Lock()
 _TIMED_OUT = re.compile(r"timed out task names:\s*((?:\s*\S*?\d+\s*)+)", re.IGNORECASE)
@@ -137,24 +132,11 @@ def lost_peer(error: BaseException, what: str) -> BaseException:
 
 def agree(text: str) -> str:
     """Process 0's `text` on every process (a temporary name, chosen once for all of them)."""
-    if process_count() == 1:
-        return text
-    from jax.experimental import multihost_utils
-
-    raw = np.frombuffer(text.encode("utf-8"), np.uint8)
-    try:
-        n = int(np.max(multihost_utils.process_allgather(np.array([raw.size], np.int64))))
-        padded = np.zeros(n, np.uint8)
-        padded[: raw.size] = raw
-        size = multihost_utils.broadcast_one_to_all(np.array([raw.size], np.int64))
-        chosen = multihost_utils.broadcast_one_to_all(padded)
-    except Exception as e:
-        raise lost_peer(e, "agreeing on the checkpoint's temporary name") from e
-    return bytes(np.asarray(chosen)[: int(np.asarray(size)[0])]).decode("utf-8")
+    return allgather_bytes(text.encode("utf-8"), "agreeing on the checkpoint's temporary name")[0].decode("utf-8")
 
 
-def allgather_bytes(data: bytes) -> list[bytes]:
-    """Every process's `data`, in process order (small metadata only: offsets, checksums)."""
+def allgather_bytes(data: bytes, what: str = "exchanging metadata (checksums, index entries, digests)") -> list[bytes]:
+    """Every process's `data`, in process order (small metadata only: offsets, checksums); `what` for errors."""
     if process_count() == 1:
         return [data]
     from jax.experimental import multihost_utils
@@ -165,7 +147,7 @@ def allgather_bytes(data: bytes) -> list[bytes]:
         padded[: len(data)] = np.frombuffer(data, np.uint8)
         rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
     except Exception as e:
-        raise lost_peer(e, "exchanging metadata (checksums, index entries, digests)") from e
+        raise lost_peer(e, what) from e
     return [bytes(rows[i, : int(sizes[i])]) for i in range(len(sizes))]
 
 
@@ -182,12 +164,9 @@ def check_same(what: str, data: bytes, detail: str = "") -> None:
 
     digest = hashlib.sha256(data).digest()
     digests = allgather_bytes(digest)
-    groups: dict[bytes, list[int]] = {}
-    for p, d in enumerate(digests):
-        groups.setdefault(d, []).append(p)
-    if len(groups) > 1:
-        mine = groups[digest]
-        others = sorted(p for d, ps in groups.items() if d != digest for p in ps)
+    others = [p for p, d in enumerate(digests) if d != digest]
+    if others:
+        mine = [p for p, d in enumerate(digests) if d == digest]
         raise ProcessGroupError(
             f"Process {jax.process_index()}: the {what} differs between processes: processes {mine} have one "
             f"version, processes {others} another{detail}. Every process must create the same variables, in the "

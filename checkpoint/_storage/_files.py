@@ -65,17 +65,10 @@ def replacing(*paths: str, tempstate: bool = False) -> Iterator[list[str]]:
 
 
 def sync_directory(directory: str) -> None:
-    """Makes the renames in `directory` durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory; the data files are synced already
-    finally:
-        os.close(fd)
+    """Makes the renames in `directory` durable (POSIX); a no-op where directories cannot be opened or synced."""
+    # Some filesystems refuse to open or fsync a directory; the data files are synced already.
+    with contextlib.suppress(OSError):
+        sync_path(directory)
 
 
 def pread(fd: int, size: int, offset: int, where: str) -> bytes:

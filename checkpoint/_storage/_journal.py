@@ -104,11 +104,10 @@ class Journal:
         self.store()
 
     def store(self) -> None:
-        directory = os.path.dirname(self.path)
         if not self.metrics and not self.saving:
             if os.path.exists(self.path):
                 os.remove(self.path)
-                sync_directory(directory)
+                sync_directory(os.path.dirname(self.path))
             return
         data = {"format": _JOURNAL_FORMAT, "version": 1, "metrics": self.metrics, "saving": self.saving}
         with replacing(self.path) as (temp,), open(temp, "w", encoding="utf-8") as f:

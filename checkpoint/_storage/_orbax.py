@@ -44,7 +44,6 @@ from checkpoint._storage._orbax_layout import (
     FORMAT,
     META_FILE,
     VERSION,
-    box_of,
     canonical,
     checkpointer,
     layout,
@@ -52,12 +51,14 @@ from checkpoint._storage._orbax_layout import (
     save_args,
     seal,
 )
+from checkpoint._storage._orbax_native import KeyedReader
 from checkpoint._storage._orbax_validate import (
-    BATCH_NAME,
     MAX_DEPTH,
     BadMetadataError,
     check_stored,
     first_line,
+    future_result,
+    open_array,
     short,
     too_deep,
     unreadable,
@@ -73,7 +74,7 @@ _OPEN_AHEAD = 256  # arrays opened ahead of the reads
 _READ_AHEAD = 64 << 20  # bytes of values being read while the ones before are checked and placed
 
 
-class OrbaxReader:
+class OrbaxReader(KeyedReader):
     """Reads one orbax-format checkpoint (the reader protocol of `read_checkpoint`).
 
     Everything in the metadata is checked when the reader opens: its crc32c,
@@ -117,15 +118,14 @@ class OrbaxReader:
         if not sealed and (not isinstance(meta, dict) or meta.get("format") != FORMAT):
             found = f"format {short(meta.get('format'))}" if isinstance(meta, dict) else f"a {type(meta).__name__}"
             raise ValueError(f"{path!r} is not a varstate checkpoint ({found} in {META_FILE}).")
-        stored_crc = meta.get("crc32c")
         actual_crc = crc32c(canonical(meta)) if sealed else None
-        intact = sealed and stored_crc == actual_crc
+        broken = sealed and meta["crc32c"] != actual_crc
         version = meta.get("version")
         if type(version) is not int:
             raise DataLossError(f"Checkpoint {path!r}: {META_FILE} is corrupted (its format version "
                                 f"{short(version)} is not an integer).")
         if version > VERSION:
-            if sealed and not intact:  # a newer writer may seal differently: either may be the case
+            if broken:  # a newer writer may seal differently: either may be the case
                 raise CheckpointFormatError(
                     f"Checkpoint {path!r} has format version {short(version)}, newer than this reader's {VERSION}, "
                     f"or its {META_FILE} is corrupted (it fails its crc32c): upgrade varstate to read it, or "
@@ -135,9 +135,9 @@ class OrbaxReader:
                 f"Checkpoint {path!r} has format version {short(version)}, newer than this reader's "
                 f"{VERSION}: upgrade varstate to read it."
             )
-        if sealed and not intact:
+        if broken:
             # Say what is wrong where the checks find it; the checksum alone says only that something is.
-            mismatch = (f"{META_FILE} fails its crc32c ({actual_crc:#010x}, stored {short(stored_crc)})")
+            mismatch = (f"{META_FILE} fails its crc32c ({actual_crc:#010x}, stored {short(meta['crc32c'])})")
         elif not sealed and version >= 2:
             mismatch = f"{META_FILE} has no crc32c, which every version {version} checkpoint holds"
         elif version < 1:
@@ -178,7 +178,7 @@ class OrbaxReader:
         if not isinstance(batches, list) or not all(type(n) is int and n >= 0 for n in batches):
             raise BadMetadataError(f"bad pack sizes {short(batches)}")
         self._batches: list[int] = batches
-        self._entries: dict[str, dict] = entries
+        self._entries = entries  # key -> its entry
         self._slices: dict[str, list] = {}
         # What orbax must hold: array name -> (a key it holds, shape, stored dtype name).
         # Only batches some value lies in: nothing reads the others, so a list of a million is no work.
@@ -196,24 +196,12 @@ class OrbaxReader:
                     stored.setdefault(f"p{part['pack']}", (key, (batches[part["pack"]],), "uint8"))
         self._driver = check_stored(self.path, stored)
 
-    def keys(self) -> list[str]:
-        return sorted(self._entries)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries
-
-    def _entry(self, key: str) -> dict:
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(f"Key {key!r} not found in checkpoint {self.path!r}.") from None
-
     def shape(self, key: str) -> tuple[int, ...]:
-        e = self._entry(key)
+        e = self._lookup(key)
         return () if "python" in e else tuple(e["shape"])
 
     def dtype(self, key: str) -> np.dtype:
-        e = self._entry(key)
+        e = self._lookup(key)
         if "python" in e:
             return np.asarray(e["value"]).dtype
         return _dtypes.by_name(e["dtype"], key)
@@ -223,14 +211,8 @@ class OrbaxReader:
         return f"orbax {'object' if self.object_graph is not None else 'name'}-based checkpoint"
 
     def get_slices(self, key: str) -> list[tuple[slice, ...]]:
-        self._entry(key)
+        self._lookup(key)
         return [_keys.slice_index(*zip(*box, strict=True)) for box in self._slices.get(key, ())]
-
-    def get(self, key: str) -> np.ndarray:
-        return self.get_many({key: None})[key]
-
-    def get_into(self, key: str, sharding: Any) -> jax.Array:
-        return self.get_many({key: sharding})[key]
 
     def get_many(self, requests: dict[str, Any]) -> dict[str, Any]:
         """{key: target sharding or None} -> {key: jax.Array on that sharding, or np.ndarray}.
@@ -244,7 +226,7 @@ class OrbaxReader:
         """
         want: dict[str, Any] = {}
         for key, sharding in requests.items():
-            e = self._entry(key)
+            e = self._lookup(key)
             for part in e.get("slices", [e]) if "python" not in e else ():
                 if "array" in part:
                     direct = sharding is not None and "slices" not in e
@@ -253,7 +235,11 @@ class OrbaxReader:
                     want.setdefault(f"p{part['pack']}", (key, part, None))
         streamed = {n: w for n, w in want.items() if w[2] is not None and _held_here(w[2])}
         loaded = self._load({n: w for n, w in want.items() if n not in streamed})
-        out = dict(self._stream(streamed))
+        out = {}
+        for name, host in self._read(streamed):  # checked on the host, before any device holds it
+            key, part, sharding = streamed[name]
+            self._check_read(name, key, part, host)
+            out[key] = jax.device_put(self._value(key, part, {name: host}), sharding)
         for key in requests:
             e = self._entries[key]
             if key in out:
@@ -265,26 +251,19 @@ class OrbaxReader:
             else:
                 out[key] = self._value(key, e, loaded)
         puts = [k for k, s in requests.items() if s is not None and isinstance(out[k], np.ndarray)]
-        if puts:
-            placed = jax.device_put([out[k] for k in puts], [requests[k] for k in puts])
-            out.update(zip(puts, placed, strict=True))
+        out.update(zip(puts, jax.device_put([out[k] for k in puts], [requests[k] for k in puts]), strict=True))
         return {key: out[key] for key in requests}
 
     def _load(self, want: dict[str, tuple]) -> dict[str, Any]:
         # Host copies are cached for later (deferred) restores; arrays placed on devices are
         # handed out once, since their owner may donate them.
         missing = {n: w for n, w in want.items() if n not in self._cache or w[2] is not None}
-        got: dict[str, Any] = {}
-        if missing:
-            spread = {n: w for n, w in missing.items() if w[2] is not None}
-            if spread:
-                got.update(self._load_orbax(spread))
-            host = [n for n in missing if n not in spread]
-            for name, value in self._read(host, {n: missing[n][0] for n in host}):
-                got[name] = value
-            for name, (key, part, _) in missing.items():
-                self._check_read(name, key, part, got.get(name))
-            self._cache.update((n, got[n]) for n in host)
+        spread = {n: w for n, w in missing.items() if w[2] is not None}
+        got: dict[str, Any] = self._load_orbax(spread) if spread else {}
+        got.update(self._read({n: w for n, w in missing.items() if n not in spread}))
+        for name, (key, part, _) in missing.items():
+            self._check_read(name, key, part, got.get(name))
+        self._cache.update((n, v) for n, v in got.items() if n not in spread)
         return {n: got[n] if n in got else self._cache[n] for n in want}
 
     def _load_orbax(self, missing: dict[str, tuple]) -> dict[str, Any]:
@@ -302,32 +281,30 @@ class OrbaxReader:
                 args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
             )
         except Exception as e:  # tensorstore reports damaged files as exceptions of many types, even bare ones
-            named = {n: (w[0],) for n, w in missing.items() if f'"{n}/' in str(e)}  # its message names arrays
-            raise unreadable(self.path, named or {n: (w[0],) for n, w in missing.items()}, first_line(e)) from e
+            named = {n: w for n, w in missing.items() if f'"{n}/' in str(e)}  # its message names arrays
+            raise unreadable(self.path, named or missing, first_line(e)) from e
         finally:
             handler.close()
 
-    def _read(self, names: list[str], keys: dict[str, str]):
-        """Yields (name, numpy array) for the stored arrays `names`, in order, with tensorstore.
+    def _read(self, want: dict[str, tuple]):
+        """Yields (name, numpy array) for the stored arrays `want` names, in order, with tensorstore.
 
         Reads run in tensorstore's threads, up to `_READ_AHEAD` bytes beyond
         the array being handed out, so the caller's work on one array (its
         checksum, its copy to a device) overlaps the reading of the next.
         The arrays' stored shapes, dtypes and chunks were checked when the
-        reader opened; `keys` names the value each array holds, for errors.
+        reader opened; `want` maps each to (the key of the value it holds, ...), for errors.
         """
-        if not names:
-            return
         import tensorstore as ts  # orbax's own storage library
 
         context = ts.Context()
-        base = {"driver": "file", "path": os.path.join(self.path, "values") + os.sep}
+        values = os.path.join(self.path, "values")
 
         def start_open(name: str) -> tuple[str, Any]:
-            spec = {"driver": self._driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name}}
-            return name, ts.open(spec, open=True, read=True, context=context)
+            return name, open_array(values, self._driver, name, context)
 
         # Opened a few hundred ahead of the reads (their metadata is read concurrently), never all of a million at once.
+        names = list(want)
         opening = collections.deque(start_open(name) for name in names[:_OPEN_AHEAD])
         later = collections.deque(names[_OPEN_AHEAD:])
         reading: collections.deque = collections.deque()
@@ -337,67 +314,40 @@ class OrbaxReader:
                 name, future = opening.popleft()
                 if later:
                     opening.append(start_open(later.popleft()))
-                try:
-                    store = future.result()
-                except Exception as e:  # tensorstore's errors are of many types; all mean the files are damaged
-                    raise unreadable(self.path, {name: (keys[name],)}, first_line(e)) from None
+                store = future_result(self.path, future, {name: want[name]})
                 nbytes = math.prod(store.shape) * store.dtype.numpy_dtype.itemsize
                 reading.append((name, store.read(), nbytes))
                 ahead += nbytes
             name, future, nbytes = reading.popleft()
             ahead -= nbytes
-            try:
-                value = future.result()
-            except Exception as e:
-                raise unreadable(self.path, {name: (keys[name],)}, first_line(e)) from None
-            yield name, value
-
-    def _stream(self, streamed: dict[str, tuple]):
-        """Yields (key, jax.Array) for values read straight onto a sharding this process holds whole."""
-        keys = {name: key for name, (key, _, _) in streamed.items()}
-        for name, host in self._read(list(streamed), keys):
-            key, part, sharding = streamed[name]
-            self._check_read(name, key, part, host)
-            value = self._value(key, part, {name: host})  # checked on the host, before any device holds it
-            yield key, jax.device_put(value, sharding)
+            yield name, future_result(self.path, future, {name: want[name]})
 
     def _check_read(self, name: str, key: str, part: dict, value: Any) -> None:
         """Raises unless `value`, read for stored array `name`, has the shape and dtype it is stored with.
 
         The values files' own metadata decides what tensorstore and orbax read.
         """
-        shape, dtype = self._stored_as(name, part)
+        if "array" in part:
+            shape, dtype = tuple(part["shape"]), _dtypes.BY_NAME[part.get("stored_as", part["dtype"])]
+        else:
+            shape, dtype = (self._batches[part["pack"]],), np.dtype(np.uint8)
         if not isinstance(value, (np.ndarray, jax.Array)) or tuple(value.shape) != shape or \
                 np.dtype(value.dtype) != dtype:
             found = f"{type(value).__name__} {getattr(value, 'shape', '')} {getattr(value, 'dtype', '')}"
             raise unreadable(self.path, {name: (key,)}, f"read {found.strip()} for {shape} {dtype}")
 
-    def _stored_as(self, name: str, part: dict) -> tuple[tuple[int, ...], np.dtype]:
-        if BATCH_NAME.fullmatch(name):
-            return (self._batches[int(name[1:])],), np.dtype(np.uint8)
-        return tuple(part["shape"]), _dtypes.BY_NAME[part.get("stored_as", part["dtype"])]
-
     def _value(self, key: str, e: dict, loaded: dict) -> Any:
         dtype, shape = _dtypes.by_name(e["dtype"], key), tuple(e["shape"])
+        # What was read has the shape and dtype it is stored with (`_check_read`), and each batch the size
+        # the metadata gives, which its values' offsets were checked against (`validate`).
         if "offset" in e:
             nbytes = math.prod(shape) * dtype.itemsize
-            batch, start = loaded[f"p{e['pack']}"], e["offset"]  # offsets were checked against the batch sizes
-            if batch.size != self._batches[e["pack"]]:
-                raise DataLossError(
-                    f"Checkpoint {self.path!r}: value {key!r} lies in pack {e['pack']}, which holds {batch.size} "
-                    f"bytes; the metadata says {self._batches[e['pack']]}. The checkpoint is corrupted."
-                )
-            value = batch[start:start + nbytes].view(dtype).reshape(shape)
-            host = value
+            batch, start = loaded[f"p{e['pack']}"], e["offset"]
+            value = host = batch[start:start + nbytes].view(dtype).reshape(shape)
         else:
             value = loaded[e["array"]]
-            if "stored_as" in e and np.dtype(value.dtype) == np.dtype(e["stored_as"]):
+            if "stored_as" in e:
                 value = value.astype(dtype)
-            if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
-                raise DataLossError(
-                    f"Checkpoint {self.path!r}: value {key!r} has shape {tuple(value.shape)} {value.dtype}, "
-                    f"its metadata says {shape} {dtype}."
-                )
             if not on_every_host(value) or ("crc32c" not in e and "shards" in e):
                 self._check_shards(key, e, value)
                 return value
@@ -418,16 +368,14 @@ class OrbaxReader:
         per-shard checksums, is not checked here (its bytes are read as
         stored; tensorstore's own chunk reads still fail on truncation).
         """
-        shards = e.get("shards", [])
-        if isinstance(value, np.ndarray) or (isinstance(value, jax.Array) and value.is_fully_addressable):
+        if not isinstance(value, jax.Array) or value.is_fully_addressable:
             local = [((slice(None),) * value.ndim, np.asarray(value))]
         else:
             local = [(s.index, s.data) for s in value.addressable_shards if s.replica_id == 0]
-        shape = tuple(value.shape)
-        for part in shards:
+        for part in e.get("shards", []):
             box = [tuple(b) for b in part["box"]]
             for index, data in local:
-                have = box_of(index, shape)
+                have = _keys.box_of(index, value.shape)
                 if all(ho <= o and o + n <= ho + hn for (o, n), (ho, hn) in zip(box, have, strict=True)):
                     inner = tuple(slice(o - ho, o - ho + n) for (o, n), (ho, _) in zip(box, have, strict=True))
                     got = crc32c(np.ascontiguousarray(np.asarray(data[inner] if inner else data)))
@@ -444,8 +392,8 @@ class OrbaxReader:
         # bytes are in hand (its slices tile it, so they account for every element).
         parts = [np.asarray(self._value(key, part, loaded)) for part in e["slices"]]
         full = np.empty(tuple(e["shape"]), _dtypes.by_name(e["dtype"], key))
-        for box, part in zip(self._slices[key], parts, strict=True):
-            full[_keys.slice_index(*zip(*box, strict=True))] = part
+        for index, part in zip(self.get_slices(key), parts, strict=True):
+            full[index] = part
         return full
 
 

@@ -7,6 +7,7 @@ where each value's bytes go, checksums them, and seals the metadata.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 from typing import Any
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from checkpoint import _dtypes
+from checkpoint import _dtypes, _keys
 from checkpoint._errors import DataLossError
 from checkpoint._storage import _distributed
 from checkpoint._storage._crc import crc32c, crc32c_spans
@@ -32,14 +33,10 @@ ALIGN = 64
 # bytes, and so the checksum, are the same: ml_dtypes keeps one uint4 per byte.
 STORED_AS = {"uint4": np.dtype(np.uint8)}
 
-_NAMES: dict[np.dtype, str] = {}  # dtype -> its name: np.dtype.name costs microseconds, times 2,000 values
 
-
+@functools.cache  # np.dtype.name costs microseconds, times 2,000 values
 def _dtype_name(dtype: np.dtype) -> str:
-    name = _NAMES.get(dtype)
-    if name is None:
-        name = _NAMES[dtype] = dtype.name
-    return name
+    return dtype.name
 
 
 class _Layout:
@@ -48,8 +45,8 @@ class _Layout:
     def __init__(self, batched: bool, batch_bytes: int) -> None:
         self.batched = batched
         self.batch_bytes = batch_bytes
-        self.small: list[tuple[dict, Any]] = []
-        self.large: dict[str, Any] = {}
+        self.small: list[tuple[dict, Any]] = []  # (entry, value) of each value to batch
+        self.large: list[tuple[dict, Any]] = []  # (entry, value) of each value stored as its own array
         self.entries: dict[str, dict] = {}
 
     def add_array(self, key: str, value: Any, name: str | None = None, **extra: Any) -> dict:
@@ -68,23 +65,19 @@ class _Layout:
                 value = value.astype(STORED_AS[dtype_name])
             if isinstance(value, jax.Array) and value.is_fully_addressable and _distributed.process_count() > 1:
                 value = np.asarray(value)  # this host's own array: written by the primary host, as orbax does
-            self.large[name] = value
             entry["array"] = name
+            self.large.append((entry, value))
         return entry
 
     def finish(self) -> tuple[dict, dict]:
         tree: dict[str, Any] = {}
         sizes = self._batches(tree)
-        for name, value in self.large.items():
-            tree[name] = value
-        by_shard = []
-        for entry in self.entries_with_arrays():
-            value = self.large[entry["array"]]
+        tree.update((entry["array"], value) for entry, value in self.large)
+        for entry, value in self.large:
             if on_every_host(value):
                 entry["crc32c"] = crc32c(np.asarray(jax.device_get(value)))
-            if _boxes(value) is not None:
-                by_shard.append(entry)
-        _shard_checksums(by_shard, self.large)
+        sharded = [(entry, value, boxes) for entry, value in self.large if (boxes := _boxes(value)) is not None]
+        _shard_checksums(sharded)
         return tree, {"packs": sizes}
 
     def _batches(self, tree: dict[str, Any]) -> list[int]:
@@ -100,49 +93,33 @@ class _Layout:
             return []
         # Transfers to the host start together; each np.asarray below then waits for its own. Not
         # for arrays on CPU devices, already in host memory: the call alone costs microseconds each.
-        on_cpu: dict[Any, bool] = {}
+        on_cpu = functools.cache(lambda sharding: all(d.platform == "cpu" for d in sharding.device_set))
         for _, value in self.small:
-            if isinstance(value, jax.Array):
-                sharding = value.sharding
-                cpu = on_cpu.get(sharding)
-                if cpu is None:
-                    cpu = on_cpu[sharding] = all(
-                        d.platform == "cpu"  # type: ignore[attr-defined]  # jaxlib ships no stubs for Device
-                        for d in sharding.device_set)
-                if not cpu:
-                    value.copy_to_host_async()
+            if isinstance(value, jax.Array) and not on_cpu(value.sharding):
+                value.copy_to_host_async()
         hosts = [np.asarray(value) for _, value in self.small]
-        places: list[tuple[int, int, int]] = []  # (batch, offset, bytes) per value
+        spans: list[list[tuple[int, int]]] = [[]]  # (offset, bytes) of each value, per batch
         sizes: list[int] = []
-        offset, filled = 0, 0  # filled: values in the batch being laid out
+        offset = 0
         for host in hosts:
-            nbytes = host.nbytes
-            if filled and offset + nbytes > self.batch_bytes:
+            if spans[-1] and offset + host.nbytes > self.batch_bytes:
                 sizes.append(offset or ALIGN)
-                offset, filled = 0, 0
-            places.append((len(sizes), offset, nbytes))
-            offset += nbytes + (-(offset + nbytes) % ALIGN)
-            filled += 1
+                spans.append([])
+                offset = 0
+            spans[-1].append((offset, host.nbytes))
+            offset += host.nbytes + (-(offset + host.nbytes) % ALIGN)
         sizes.append(offset or ALIGN)  # a batch of empty values only: orbax refuses an empty array
         batches = [np.zeros(size, np.uint8) for size in sizes]  # zeroed: the padding between values
+        places = [(batch, start, nbytes) for batch, its in enumerate(spans) for start, nbytes in its]
         for host, (batch, start, nbytes) in zip(hosts, places, strict=True):
             if nbytes:
                 batches[batch][start:start + nbytes] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
-        spans: list[list[tuple[int, int]]] = [[] for _ in batches]
-        for batch, start, nbytes in places:
-            spans[batch].append((start, nbytes))
         crcs = [crc for batch, its in zip(batches, spans, strict=True) for crc in crc32c_spans(batch, its)]
         for (entry, _), (batch, start, _), crc in zip(self.small, places, crcs, strict=True):
             entry["crc32c"] = crc
             entry["pack"], entry["offset"] = batch, start
         tree.update((f"p{i}", batch) for i, batch in enumerate(batches))
         return sizes
-
-    def entries_with_arrays(self):
-        for entry in self.entries.values():
-            for e in entry.get("slices", [entry]):
-                if "array" in e:
-                    yield e
 
 
 def on_every_host(value: Any) -> bool:
@@ -160,40 +137,34 @@ def _boxes(value: Any) -> list[tuple[tuple[int, int], ...]] | None:
     if not isinstance(value, jax.Array) or value.is_fully_replicated:
         return None
     shape = value.shape
-    boxes = {box_of(index, shape) for index in value.sharding.devices_indices_map(shape).values()}
+    boxes = {_keys.box_of(index, shape) for index in value.sharding.devices_indices_map(shape).values()}
     return sorted(boxes) if len(boxes) > 1 or not value.is_fully_addressable else None
 
 
-def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """A shard's index as (offset, extent) per dimension."""
-    return tuple((s.indices(d)[0], len(range(*s.indices(d)))) for s, d in zip(index, shape, strict=True))
-
-
-def _shard_checksums(entries: list[dict], large: dict[str, Any]) -> None:
-    """Sets ``entry["shards"]``: a crc32c per distinct shard of each sharded array.
+def _shard_checksums(arrays: list[tuple[dict, Any, list]]) -> None:
+    """Sets ``entry["shards"]``: a crc32c per distinct shard (`_boxes`) of each sharded array.
 
     Each process checksums the shards it holds (replica 0 of each), and the
     small {array: {shard: crc}} maps are exchanged, so the metadata every
     process builds (and the primary writes) is the same, and no array is
     gathered to one host. A restore checks each shard it reads whole.
     """
-    if not entries:
+    if not arrays:
         return
     mine: dict[str, dict[str, int]] = {}
-    for entry in entries:
-        value = large[entry["array"]]
+    for entry, value, _ in arrays:
         got = mine.setdefault(entry["array"], {})
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
-                got[json.dumps(box_of(shard.index, value.shape))] = crc32c(np.asarray(shard.data))
+                got[json.dumps(_keys.box_of(shard.index, value.shape))] = crc32c(np.asarray(shard.data))
     merged: dict[str, dict[str, int]] = {}
     for blob in _distributed.allgather_bytes(json.dumps(mine, sort_keys=True).encode()):
         for name, crcs in json.loads(blob).items():
             merged.setdefault(name, {}).update(crcs)
-    for entry in entries:
-        value, crcs = large[entry["array"]], merged.get(entry["array"], {})
+    for entry, _, boxes in arrays:
+        crcs = merged.get(entry["array"], {})
         shards = []
-        for box in _boxes(value):  # type: ignore[union-attr]  # entries hold only arrays split in boxes
+        for box in boxes:
             text = json.dumps(box)
             if text not in crcs:
                 raise DataLossError(f"Saving {entry['array']!r}: no process checksummed its shard {box}; "
@@ -217,10 +188,9 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, batched: 
             base = _dtypes.python_type(value)  # an IntEnum is an int
             lay.entries[key] = {"python": base.__name__, "value": base(value)}
         elif isinstance(value, list):
-            info0 = value[0][0]
             lay.entries[key] = {
                 "dtype": np.dtype(value[0][1].dtype).name,
-                "shape": list(info0.full_shape),
+                "shape": list(value[0][0].full_shape),
                 "slices": [lay.add_array(key, v, name=f"{key}@slice_{i}", spec=info.spec)
                            for i, (info, v) in enumerate(value)],
             }
@@ -228,8 +198,8 @@ def layout(values: dict[str, Any], object_graph: TrackableObjectGraph, batched: 
             lay.entries[key] = lay.add_array(key, value)
     tree, extra = lay.finish()
     if not batched:  # for plain orbax readers; this reader takes them from the metadata
-        tree.update((key, np.asarray(e["value"].encode() if e["python"] == "str" else e["value"]))
-                    for key, e in lay.entries.items() if "python" in e and e["python"] != "str")
+        tree.update((key, np.asarray(e["value"])) for key, e in lay.entries.items()
+                    if "python" in e and e["python"] != "str")
     meta = {
         "format": FORMAT,
         "version": VERSION,

@@ -17,6 +17,7 @@ Variables, so templates restore from it by structure. A leaf saved by nnx
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -71,7 +72,35 @@ def is_native(path: str) -> bool:
     return is_tree(path) or items_of(path) is not None
 
 
-class OrbaxTreeReader:
+class KeyedReader:
+    """The reader protocol's lookups, shared by the orbax readers: `_entries` holds what a reader knows of each key."""
+
+    path: str
+    _entries: dict[str, Any]
+
+    def keys(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def _lookup(self, key: str) -> Any:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"Key {key!r} not found in checkpoint {self.path!r}.") from None
+
+    def get(self, key: str) -> np.ndarray:
+        return self.get_many({key: None})[key]
+
+    def get_into(self, key: str, sharding: Any) -> Any:
+        return self.get_many({key: sharding})[key]
+
+    def get_many(self, requests: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class OrbaxTreeReader(KeyedReader):
     """Reads a checkpoint written by orbax itself (the reader protocol of `read_checkpoint`).
 
     >>> import os, tempfile, numpy as np, orbax.checkpoint as ocp
@@ -98,10 +127,10 @@ class OrbaxTreeReader:
         else:
             raise ValueError(f"{path!r} is not an orbax checkpoint: it holds neither {TREE_METADATA} nor a "
                              f"{STEP_METADATA} with items.")
-        self._leaves: dict[str, tuple[str, tuple, Any]] = {}  # key -> (item directory, tree path, metadata)
+        self._entries: dict[str, tuple[str, tuple, Any]] = {}  # key -> (item directory, tree path, metadata)
         for prefix, directory in parts.items():
             self._read_tree(prefix, directory)
-        self.object_graph = _synthesize(list(self._leaves), {k: v[1] for k, v in self._leaves.items()})
+        self.object_graph = _synthesize({key: path for key, (_, path, _) in self._entries.items()})
         self._cache: dict[str, np.ndarray] = {}
 
     def _read_tree(self, prefix: str, directory: str) -> None:
@@ -129,42 +158,24 @@ class OrbaxTreeReader:
                     f"Checkpoint {self.path!r}: the value at {'/'.join(parts)!r} is a {type(leaf).__name__}, not an "
                     "array or a number; this reader reads arrays and numbers only."
                 )
-            self._leaves[prefix + "/".join(parts)] = (directory, path, leaf)
+            self._entries[prefix + "/".join(parts)] = (directory, path, leaf)
 
     # --- the reader protocol ------------------------------------------------------
-    def keys(self) -> list[str]:
-        return sorted(self._leaves)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._leaves
-
-    def _leaf(self, key: str) -> tuple[str, tuple, Any]:
-        try:
-            return self._leaves[key]
-        except KeyError:
-            raise KeyError(f"Key {key!r} not found in checkpoint {self.path!r}.") from None
-
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._leaf(key)[2].shape or ())
+        return tuple(self._lookup(key)[2].shape or ())
 
     def dtype(self, key: str) -> np.dtype:
-        return np.dtype(self._leaf(key)[2].dtype)
+        return np.dtype(self._lookup(key)[2].dtype)
 
     def get_slices(self, key: str) -> list[tuple[slice, ...]]:
-        self._leaf(key)
+        self._lookup(key)
         return []  # orbax stores each value whole
-
-    def get(self, key: str) -> np.ndarray:
-        return self.get_many({key: None})[key]
-
-    def get_into(self, key: str, sharding: Any) -> Any:
-        return self.get_many({key: sharding})[key]
 
     def get_many(self, requests: dict[str, Any]) -> dict[str, Any]:
         """{key: target sharding or None} -> {key: jax.Array on that sharding, or np.ndarray}; one restore per item."""
         by_dir: dict[str, dict[str, Any]] = {}
         for key, sharding in requests.items():
-            directory = self._leaf(key)[0]
+            directory = self._lookup(key)[0]
             if sharding is not None or key not in self._cache:
                 by_dir.setdefault(directory, {})[key] = sharding
         got: dict[str, Any] = {}
@@ -178,7 +189,7 @@ class OrbaxTreeReader:
         handler = ocp.PyTreeCheckpointHandler()
         try:
             tree = getattr(handler.metadata(epath.Path(directory)), "tree", None)
-            paths = {self._leaves[k][1]: k for k in wanted}
+            paths = {self._entries[k][1]: k for k in wanted}
 
             def pick(path, meta, restore: bool):
                 key = paths.get(path)
@@ -205,7 +216,7 @@ class OrbaxTreeReader:
         out = {}
         flat = dict(jax.tree_util.tree_flatten_with_path(restored)[0])
         for key in wanted:
-            value = flat.get(self._leaves[key][1])
+            value = flat.get(self._entries[key][1])
             if isinstance(value, (int, float, complex, np.generic)) and not isinstance(value, bool):
                 # a number orbax stored as a scalar comes back as a Python number: in the dtype it recorded
                 cast = np.asarray(value).astype(self.dtype(key))
@@ -220,8 +231,8 @@ class OrbaxTreeReader:
         return out
 
 
-def _synthesize(keys: list[str], paths: dict[str, tuple]) -> TrackableObjectGraph:
-    """The object graph `Checkpoint` would save for a nested dict of Variables at these tree paths.
+def _synthesize(paths: dict[str, tuple]) -> TrackableObjectGraph:
+    """The object graph `Checkpoint` would save for a nested dict of Variables at these tree paths ({key: path}).
 
     Each path part is a node (its local name the part, unescaped, as a dict
     key names a child), each leaf a node whose VARIABLE_VALUE is the leaf's
@@ -232,9 +243,9 @@ def _synthesize(keys: list[str], paths: dict[str, tuple]) -> TrackableObjectGrap
     proto = TrackableObjectGraph()
     proto.nodes.add()
     index: dict[tuple, int] = {(): 0}
-    children: dict[int, dict[str, int]] = {0: {}}
-    for key in keys:
-        parts = tuple(_keys.local_name(p) for p in paths[key])
+    children: dict[int, dict[str, int]] = collections.defaultdict(dict)  # node -> {local name: child}
+    for key, path in paths.items():
+        parts = tuple(_keys.local_name(p) for p in path)
         prefix = key[: len(key) - len("/".join(parts))]  # an item's name, or nothing
         parts = tuple(p for p in prefix.rstrip("/").split("/") if p) + parts if prefix else parts
         for depth in range(1, len(parts) + 1):
@@ -242,10 +253,8 @@ def _synthesize(keys: list[str], paths: dict[str, tuple]) -> TrackableObjectGrap
             if here not in index:
                 index[here] = len(proto.nodes)
                 proto.nodes.add()
-                children[index[here]] = {}
                 children[index[here[:-1]]][here[-1]] = index[here]
-        node = proto.nodes[index[parts]]
-        attr = node.attributes.add()
+        attr = proto.nodes[index[parts]].attributes.add()
         attr.name, attr.full_name, attr.checkpoint_key = _keys.VARIABLE_VALUE, key, key
     for parts, node_id in list(index.items()):
         parent = index[parts[:-1]] if parts else 0  # every prefix has its node; the root is skipped below
@@ -266,12 +275,8 @@ def _synthesize(keys: list[str], paths: dict[str, tuple]) -> TrackableObjectGrap
 def _prune(proto: TrackableObjectGraph) -> TrackableObjectGraph:
     """Drops the nodes left without a reference (the ``value`` leaves folded into their parents), renumbering."""
     used = [0]
-    seen = {0}
-    for node_id in used:
-        for ref in proto.nodes[node_id].children:
-            if ref.node_id not in seen:
-                seen.add(ref.node_id)
-                used.append(ref.node_id)
+    for node_id in used:  # breadth first: the graph is a tree but for each folded ``value``'s reference to itself
+        used += [ref.node_id for ref in proto.nodes[node_id].children if ref.node_id != node_id]
     if len(used) == len(proto.nodes):
         return proto
     new_id = {old: new for new, old in enumerate(used)}

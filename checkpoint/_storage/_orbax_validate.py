@@ -125,13 +125,18 @@ def validate(key: str, e: Any, batches: list[int]) -> list | None:
             raise BadMetadataError(f"entry {key!r}: slice {short(spec)} does not fit shape {list(shape)}")
         _validate_stored(key, part, batches, dtype, part_shape)
         boxes.append(list(zip(offset, extent, strict=True)))
+    _check_tiling(key, shape, boxes, "slices")
+    return boxes
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], boxes: list, what: str) -> None:
+    """The boxes ((offset, extent) per dimension) of a value's slices or shards cover its shape exactly once."""
     try:
         tiled = _keys.covers_exactly(shape, boxes)
     except ValueError as err:  # more fragmented than this reader checks
         raise BadMetadataError(f"entry {key!r}: {err}") from None
     if not tiled:
-        raise BadMetadataError(f"entry {key!r}: its slices overlap or do not cover shape {list(shape)}")
-    return boxes
+        raise BadMetadataError(f"entry {key!r}: its {what} overlap or do not cover shape {list(shape)}")
 
 
 def _validate_stored(key: str, e: dict, batches: list[int], dtype: str, shape: tuple[int, ...]) -> None:
@@ -171,12 +176,7 @@ def _validate_shards(key: str, shards: Any, shape: tuple[int, ...]) -> None:
                 not all(type(b) is list and len(b) == 2 and all(type(n) is int for n in b) for b in box):
             raise BadMetadataError(f"entry {key!r}: bad shard {short(part)}")
         boxes.append([tuple(b) for b in box])
-    try:
-        tiled = _keys.covers_exactly(shape, boxes)
-    except ValueError as err:
-        raise BadMetadataError(f"entry {key!r}: {err}") from None
-    if not tiled:
-        raise BadMetadataError(f"entry {key!r}: its shards overlap or do not cover shape {list(shape)}")
+    _check_tiling(key, shape, boxes, "shards")
 
 
 def check_stored(path: str, stored: dict[str, tuple[str, tuple[int, ...], str]]) -> str:
@@ -198,10 +198,31 @@ def check_stored(path: str, stored: dict[str, tuple[str, tuple[int, ...], str]])
 
     driver = "zarr3" if _uses_zarr3(path, values) else "zarr"
     context = ts.Context()
-    base = {"driver": "file", "path": values + os.sep}
     names = list(stored)
     for start in range(0, len(names), _PROBE_AT_ONCE):
-        _probe(path, stored, names[start:start + _PROBE_AT_ONCE], driver, base, context)
+        # Opened together (tensorstore reads their metadata concurrently), a few hundred at a time: a file naming a
+        # million arrays that are not there fails at the first batch.
+        opening = {name: open_array(values, driver, name, context) for name in names[start:start + _PROBE_AT_ONCE]}
+        for name, future in opening.items():
+            key, shape, dtype = stored[name]
+            array = future_result(path, future, {name: stored[name]})
+            if BATCH_NAME.fullmatch(name) and tuple(array.shape) != shape:
+                raise DataLossError(
+                    f"Checkpoint {path!r}: cannot read stored values: value {key!r} lies in pack {name[1:]}, "
+                    f"which holds {math.prod(array.shape)} bytes; the metadata says {shape[0]}. The checkpoint is "
+                    "corrupted."
+                )
+            if tuple(array.shape) != shape or array.dtype.name != dtype:
+                raise DataLossError(
+                    f"Checkpoint {path!r}: cannot read stored values: value {key!r} is stored as "
+                    f"{tuple(array.shape)} {array.dtype.name}, its metadata says {shape} {dtype}. The checkpoint "
+                    "is corrupted."
+                )
+            chunk = tuple(array.chunk_layout.read_chunk.shape or ())
+            if len(chunk) != len(shape) or any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
+                # tensorstore reads whole chunks: one larger than the array would be an allocation of any size
+                raise unreadable(path, {name: stored[name]}, f"it is stored in chunks of {chunk}, larger than the "
+                                                              f"array's shape {shape}")
     sizes = {name: math.prod(shape) * _dtypes.BY_NAME[dtype].itemsize for name, (_, shape, dtype) in stored.items()}
     if sum(sizes.values()) > on_disk + _SLACK:
         largest = {n: stored[n] for n in sorted(sizes, key=sizes.__getitem__, reverse=True)}  # the likeliest cut short
@@ -210,39 +231,20 @@ def check_stored(path: str, stored: dict[str, tuple[str, tuple[int, ...], str]])
     return driver
 
 
-def _probe(path: str, stored: dict, names: list[str], driver: str, base: dict, context: Any) -> None:
-    import tensorstore as ts
+def open_array(values: str, driver: str, name: str, context: Any) -> Any:
+    """A future of stored array `name` of the values directory `values`, opened for reading with tensorstore."""
+    import tensorstore as ts  # orbax's own storage library
 
-    # Opened together (tensorstore reads their metadata concurrently), a few hundred at a time: a file naming a
-    # million arrays that are not there fails at the first batch.
-    opening = {
-        name: ts.open({"driver": driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name}},
-                      open=True, read=True, context=context)
-        for name in names
-    }
-    for name, future in opening.items():
-        key, shape, dtype = stored[name]
-        try:
-            array = future.result()
-        except Exception as e:  # tensorstore's errors are of many types; all mean the files are damaged
-            raise unreadable(path, {name: stored[name]}, first_line(e)) from None
-        if BATCH_NAME.fullmatch(name) and tuple(array.shape) != shape:
-            raise DataLossError(
-                f"Checkpoint {path!r}: cannot read stored values: value {key!r} lies in pack {name[1:]}, "
-                f"which holds {math.prod(array.shape)} bytes; the metadata says {shape[0]}. The checkpoint is "
-                "corrupted."
-            )
-        if tuple(array.shape) != shape or array.dtype.name != dtype:
-            raise DataLossError(
-                f"Checkpoint {path!r}: cannot read stored values: value {key!r} is stored as "
-                f"{tuple(array.shape)} {array.dtype.name}, its metadata says {shape} {dtype}. The checkpoint "
-                "is corrupted."
-            )
-        chunk = tuple(array.chunk_layout.read_chunk.shape or ())
-        if len(chunk) != len(shape) or any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
-            # tensorstore reads whole chunks: one larger than the array would be an allocation of any size
-            raise unreadable(path, {name: stored[name]}, f"it is stored in chunks of {chunk}, larger than the "
-                                                          f"array's shape {shape}")
+    kvstore = {"driver": "ocdbt", "base": {"driver": "file", "path": values + os.sep}, "path": name}
+    return ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True, context=context)
+
+
+def future_result(path: str, future: Any, names: dict) -> Any:
+    """The result of tensorstore's `future` for stored arrays `names` (as for `unreadable`)."""
+    try:
+        return future.result()
+    except Exception as e:  # tensorstore's errors are of many types; all mean the files are damaged
+        raise unreadable(path, names, first_line(e)) from None
 
 
 def _uses_zarr3(path: str, values: str) -> bool:

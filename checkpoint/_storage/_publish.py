@@ -19,6 +19,7 @@ the crash tests kill a process inside each.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -213,15 +214,12 @@ def move_into_place(src: str, dst: str) -> None:
 
 def remove(path: str) -> None:
     """Deletes whatever an unpublished checkpoint (a temporary, a stand-in) has at `path`."""
-    if os.path.isdir(path):
-        delete_tree(path)
-    if os.path.isdir(path + _ORBAX_TMP):
-        delete_tree(path + _ORBAX_TMP)
+    for directory in (path, path + _ORBAX_TMP):
+        if os.path.isdir(directory):
+            delete_tree(directory)
     for f in [path + ".index", *data_files(path)]:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(f)
-        except FileNotFoundError:
-            pass
 
 
 def delete_tree(path: str) -> None:
@@ -316,14 +314,11 @@ def clean(directory: str, older_than: float) -> None:
     def stale(paths: list[str]) -> bool:
         return older_than <= 0 or now - _newest_change(paths) >= older_than
 
-    def artifacts(base: str) -> list[str]:
-        return [base, base + ".index", *data_files(base), base + _ORBAX_TMP]
-
     temps: dict[str, tuple[str, str]] = {}  # temporary -> (its kind, the path it is for)
     for m in filter(None, map(_TEMP.fullmatch, names)):
         temps[os.path.join(directory, f"{m['path']}.varstate-{m['kind']}-{m['token']}")] = (m["kind"], m["path"])
     for temp, (kind, path) in sorted(temps.items(), key=lambda kv: kv[1][0] != "standin"):  # stand-ins first
-        if not stale(artifacts(temp)):
+        if not stale([temp, temp + ".index", *data_files(temp), temp + _ORBAX_TMP]):
             continue
         try:
             if kind == "standin":

@@ -37,7 +37,7 @@ def start(
     function returns or this one raises: a failed save leaves no temporary.
     """
     _publish.check_replaceable(path, format, where)
-    primary = _distributed.is_primary()
+    primary = _distributed.process_index() == 0  # the process that writes what is shared
     lock = _publish.begin(os.path.dirname(path), leftovers) if primary else None
     temp = _publish.temporary(path, "new")
     try:

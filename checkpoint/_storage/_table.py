@@ -37,11 +37,14 @@ def read_varint(buf: bytes, pos: int, end: int, limit_bits: int, what: str) -> t
         shift += 7
 
 
-def _putread_varint(out: bytearray, value: int) -> None:
+def varint(value: int) -> bytes:
+    """`value` as a varint64: seven bits a byte, the lowest first, the high bit set on all but the last."""
+    out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
+    return bytes(out)
 
 
 def _block(data: bytes, handle: tuple[int, int], end: int, what: str) -> tuple[int, int]:
@@ -130,11 +133,17 @@ def read_table(data: bytes, name: str) -> list[tuple[bytes, bytes]]:
     return result
 
 
-def _separator(a: bytes, b: bytes) -> bytes:
-    # A short key k with a <= k < b (LevelDB's FindShortestSeparator).
+def _shared(a: bytes, b: bytes) -> int:
+    """The length of the prefix `a` and `b` share."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
+    return n
+
+
+def _separator(a: bytes, b: bytes) -> bytes:
+    # A short key k with a <= k < b (LevelDB's FindShortestSeparator).
+    n = _shared(a, b)
     if n < min(len(a), len(b)) and a[n] < 0xFF and a[n] + 1 < b[n]:
         return a[:n] + bytes([a[n] + 1])
     return a
@@ -155,16 +164,10 @@ def _finish_block(entries: list[tuple[bytes, bytes]], interval: int) -> bytearra
     for i, (key, value) in enumerate(entries):
         if i % interval == 0:
             restarts.append(len(out))
-            shared = 0
-        else:
-            shared = 0
-            while shared < min(len(prev), len(key)) and prev[shared] == key[shared]:
-                shared += 1
-        _putread_varint(out, shared)
-        _putread_varint(out, len(key) - shared)
-        _putread_varint(out, len(value))
-        out += key[shared:]
-        out += value
+            prev = b""  # a restart point stores its key whole
+        shared = _shared(prev, key)
+        out += varint(shared) + varint(len(key) - shared) + varint(len(value))
+        out += key[shared:] + value
         prev = key
     restarts = restarts or [0]
     out += struct.pack(f"<{len(restarts)}I", *restarts)
@@ -182,7 +185,7 @@ def write_table(items: Iterable[tuple[bytes, bytes]], block_size: int = BLOCK_SI
         out.extend(block)
         out.append(0)  # no compression
         out.extend(struct.pack("<I", mask(crc32c(bytes(out[start:])))))
-        return _handle_bytes(start, len(block))
+        return varint(start) + varint(len(block))  # the block's handle
 
     block: list[tuple[bytes, bytes]] = []
     size = 0
@@ -208,10 +211,3 @@ def write_table(items: Iterable[tuple[bytes, bytes]], block_size: int = BLOCK_SI
     idx = emit(_finish_block(index, 1))
     footer = (meta + idx).ljust(40, b"\0") + struct.pack("<II", _MAGIC & 0xFFFFFFFF, _MAGIC >> 32)
     return bytes(out + footer)
-
-
-def _handle_bytes(offset: int, size: int) -> bytes:
-    out = bytearray()
-    _putread_varint(out, offset)
-    _putread_varint(out, size)
-    return bytes(out)

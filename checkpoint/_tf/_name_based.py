@@ -64,7 +64,14 @@ class NameBasedLoadStatus:
     optimizer_state: Any = None
 
     def assert_existing_objects_matched(self) -> NameBasedLoadStatus:
-        """AssertionError unless every variable of the template was restored."""
+        """Checks that every variable of the template was restored.
+
+        Returns:
+            This status.
+
+        Raises:
+            AssertionError: a variable got no value (the message names them).
+        """
         if self.missing_in_checkpoint:
             raise AssertionError(f"Variables not found in the checkpoint: {list(self.missing_in_checkpoint)} (they "
                                  "kept their template values). Map them to checkpoint names with assignment_map, or "
@@ -72,7 +79,15 @@ class NameBasedLoadStatus:
         return self
 
     def assert_consumed(self) -> NameBasedLoadStatus:
-        """AssertionError unless every variable was restored and every checkpoint value was used."""
+        """Checks that every variable was restored and every checkpoint value was used.
+
+        Returns:
+            This status.
+
+        Raises:
+            AssertionError: a variable got no value, or a checkpoint value was
+                not used (the message names them).
+        """
         self.assert_existing_objects_matched()
         if self.unused_in_checkpoint:
             raise AssertionError(f"Unused checkpoint values: {list(self.unused_in_checkpoint)} (not restored into any "
@@ -296,16 +311,32 @@ def restore_by_name(
     - a list of pairs instead of a dict restores one tensor into several
       variables. Pairs apply in order of checkpoint name; a later one wins.
 
-    `prefix` is anything `read_checkpoint` opens: a prefix, a directory (its
-    ``checkpoint`` file's latest) or an orbax checkpoint. Returns a
-    `NameBasedLoadStatus` (`.params`, `.optimizer_state`, `.matched`,
-    `.missing_in_checkpoint`, `.unused_in_checkpoint`, `assert_consumed()`).
-    Nothing is restored if any
-    pair fails: ValueError for a shape mismatch (naming both names and shapes)
-    or a name missing from the checkpoint, TypeError for a dtype mismatch (TF
-    refuses those too). One exception to exact dtypes: with JAX's 64-bit types
-    off, an int64/float64 value (TF's int64 ``global_step``) restores into the
-    32-bit variable JAX made for it, if it fits.
+    Nothing is restored if any pair fails. One exception to exact dtypes:
+    with JAX's 64-bit types off, an int64/float64 value (TF's int64
+    ``global_step``) restores into the 32-bit variable JAX made for it, if it
+    fits.
+
+    Args:
+        prefix: anything `read_checkpoint` opens: a prefix, a directory (its
+            ``checkpoint`` file's latest) or an orbax checkpoint.
+        params: the template, any pytree of Variables and PartitionedVariables.
+        assignment_map: ``{checkpoint name or scope: variable name, scope or
+            Variable}`` (or a list of pairs), as above; None matches by name.
+        optimizer_state: an `OptimizerState` for `params` to restore too; None
+            restores no optimizer state.
+        optimizer_name: the TF1 optimizer's ``name=`` when not its class's
+            default (``Adam``, ``Momentum``...).
+        optimizer_scope: the ``variable_scope`` TF1's ``minimize`` or
+            ``apply_gradients`` ran in (``"train"``); ``""`` for none.
+
+    Returns:
+        A `NameBasedLoadStatus` with ``params`` and ``optimizer_state`` restored,
+        ``matched``, ``missing_in_checkpoint``, ``unused_in_checkpoint``.
+
+    Raises:
+        ValueError: a shape mismatch (naming both names and shapes), or a
+            name of `assignment_map` missing from the checkpoint.
+        TypeError: a dtype mismatch (TF refuses those too).
 
     >>> import numpy as np, jax.numpy as jnp, varstate, checkpoint, tempfile, os
     >>> prefix = os.path.join(tempfile.mkdtemp(), "model.ckpt")
@@ -389,12 +420,21 @@ def restore_by_name(
 def write_name_based(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> str:
     """Writes a TF name-based checkpoint (what `tf.compat.v1.train.Saver` writes) at `prefix`; returns `prefix`.
 
-    `tensors` maps TF variable names to arrays (or Variables), or to
-    `varstate.PartitionedVariable`s, which are written as TF1's Saver writes
+    A `varstate.PartitionedVariable` is written as TF1's Saver writes
     partitioned variables: one entry for the full name listing the slices,
     and each shard's value under its slice (from its `SaveSliceInfo`). The
     result is read by `tf.train.load_checkpoint`, TF1's `Saver.restore`,
     `read_checkpoint` and `restore_by_name`.
+
+    Args:
+        prefix: the checkpoint prefix (``prefix.index`` and its data file).
+        tensors: ``{TF variable name: array, Variable or PartitionedVariable}``.
+
+    Returns:
+        `prefix`.
+
+    Raises:
+        ValueError: a shard of a partitioned variable without a `SaveSliceInfo`.
 
     >>> import os, tempfile, numpy as np, jax.numpy as jnp, varstate, checkpoint
     >>> emb = varstate.PartitionedVariable(jnp.ones((5, 2)), name="emb", num_shards=2, registry=varstate.Registry())

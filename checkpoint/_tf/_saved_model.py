@@ -87,7 +87,22 @@ class SavedNode:
 
 @dataclasses.dataclass(frozen=True)
 class SavedModelContents:
-    """What `read_saved_model` found: see its docstring."""
+    """What `read_saved_model` returns: a SavedModel's objects, variable values and signatures, read without TF.
+
+    Attributes:
+        path: the SavedModel directory read.
+        tags: the tags of the MetaGraphDef read (``("serve",)`` for TF2's).
+        tensorflow_version: the TF version that wrote it, as recorded (``""`` if none).
+        nodes: the SavedObjectGraph in node id order (``nodes[0]`` is the root), each a `SavedNode` with
+            its path, kind and children.
+        variables: every variable's value (numpy, bit-exact, checksums verified) by node path, e.g.
+            ``"sub/s"``; a variable reached through several paths is listed under its first.
+        signatures: name -> `SignatureSpec` (inputs and outputs with dtype and shape), without TF's
+            internal ``__saved_model_init_op``.
+        assets: node path -> absolute path of the file under ``assets/``.
+        variables_prefix: the checkpoint of the variables, readable with `read_checkpoint`; None if the
+            SavedModel has none.
+    """
 
     path: str
     tags: tuple[str, ...]
@@ -102,21 +117,26 @@ class SavedModelContents:
 def read_saved_model(path: str | os.PathLike, tags: str | tuple[str, ...] | None = None) -> SavedModelContents:
     """Reads the TF SavedModel directory `path` without TensorFlow (functions are not converted).
 
-    Returns a `SavedModelContents` with:
+    Args:
+        path: the SavedModel directory (holding ``saved_model.pb``).
+        tags: the tag or tags of the MetaGraphDef to read when the file holds
+            several (TF1's ``SavedModelBuilder``); None reads the only one, or
+            the one tagged ``"serve"`` (TF2 writes one, tagged so).
 
-    - ``nodes``: the SavedObjectGraph, node id order (``nodes[0]`` is the
-      root), each a `SavedNode` with its path, kind and children;
-    - ``variables``: every variable's value (numpy, bit-exact, checksums
-      verified) by node path, e.g. ``"sub/s"``; a variable reached through
-      several paths is listed under its first;
-    - ``signatures``: name -> `SignatureSpec` (inputs and outputs with dtype
-      and shape), without TF's internal ``__saved_model_init_op``;
-    - ``assets``: node path -> absolute path of the file under ``assets/``;
-    - ``variables_prefix``: the checkpoint of the variables, readable with
-      `checkpoint.read_checkpoint` (None if the SavedModel has none).
+    Returns:
+        A `SavedModelContents` (described under "Objects returned" in the
+        reference) with the object graph as ``nodes``, every variable's value by node path
+        (``variables["sub/s"]``, numpy, bit-exact, checksums verified), the
+        ``signatures`` with their inputs and outputs, the ``assets`` and the
+        ``variables_prefix`` that `read_checkpoint` opens.
 
-    `tags` picks the MetaGraphDef when the file holds several (TF1's
-    ``SavedModelBuilder``); TF2 writes one, tagged ``"serve"``.
+    Raises:
+        TypeError: `path` is not a string or path.
+        FileNotFoundError: no ``saved_model.pb`` at `path`.
+        ValueError: no MetaGraphDef has the `tags` asked for (the message
+            lists those it has).
+        CheckpointFormatError: a corrupt or unsupported file (the text format
+            ``saved_model.pbtxt``, a TF1 SavedModel without object graph).
 
     >>> import os
     >>> from checkpoint._tf._saved_model import read_saved_model

@@ -185,9 +185,7 @@ def load_optimizer_state(
 ) -> tuple[Any, Any]:
     """Reads a Keras optimizer's state (and its trainable variables) from a TF checkpoint: ``(params, state)``.
 
-    `optimizer` is the `varstate.optimizers.keras` optimizer made as Keras's
-    was (same class, ``amsgrad``, ``momentum``, ``centered``, float or
-    schedule learning rate): its `keras_layout` says which of Keras 3's
+    The optimizer's `keras_layout` says which of Keras 3's
     ``<node>/_variables/N`` is which slot or counter; each variable's Keras
     name (``adam/dense_kernel_momentum``) is checked against it. The state's
     ``iteration`` is Keras's int64 counter (saved back as int64) and its
@@ -205,13 +203,32 @@ def load_optimizer_state(
     model's weights (`load_weights`), whose trainable ones, in Keras's layer
     order, are the optimizer's variables.
 
-    `params`: None to take the trainable variables the optimizer recorded
-    (``<node>/_trainable_variables/i``) as new Variables, in Keras's order;
-    or the model's trainable params (any pytree whose trainable leaves are
-    in Keras's order of ``model.trainable_variables``), which come back with
-    the checkpoint's values. `node` is the optimizer's path in the object
-    graph (``tf.train.Checkpoint(optimizer=...)`` and ``model.save_weights``
-    of a compiled model both use ``"optimizer"``).
+    Args:
+        path: a TF checkpoint (prefix or directory), or a Keras 3
+            ``.weights.h5`` or ``.keras`` of a compiled model.
+        optimizer: the `varstate.optimizers.keras` optimizer made as Keras's
+            was (same class, ``amsgrad``, ``momentum``, ``centered``, float or
+            schedule learning rate).
+        params: None to take the trainable variables the optimizer recorded
+            (``<node>/_trainable_variables/i``) as new Variables, in Keras's
+            order (from an HDF5 file: the model's weights); or the model's
+            trainable params (any pytree whose trainable leaves are in Keras's
+            order of ``model.trainable_variables``), which come back with the
+            checkpoint's values.
+        node: the optimizer's path in the object graph
+            (``tf.train.Checkpoint(optimizer=...)`` and ``model.save_weights``
+            of a compiled model both use ``"optimizer"``).
+
+    Returns:
+        ``(params, state)``, the params with the checkpoint's values and the
+        optimizer's `OptimizerState`.
+
+    Raises:
+        TypeError: `optimizer` is not a `varstate.optimizers.keras` optimizer.
+        ValueError: no optimizer at `node`; a variable count, name, shape or
+            dtype that does not fit `optimizer` or `params` (naming it).
+        CheckpointFormatError: a name-based (TF1) checkpoint, or a corrupt file.
+        FileNotFoundError: no checkpoint at `path`.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate
     >>> from checkpoint import keras
@@ -393,19 +410,39 @@ def save_optimizer_state(
     ``optimizer/_learning_rate``, ``optimizer/_variables/N`` in Keras's
     order and ``optimizer/_trainable_variables/i`` (the params, in their
     pytree order, which must be Keras's order of trainable variables), with
-    Keras's variable names (``<name>/<param path with _>_<slot>``; `name`
-    defaults to Keras's default optimizer name, ``adam``, ``rm_sprop``...).
-    Keras restores it, params and state, with
+    Keras's variable names (``<name>/<param path with _>_<slot>``). Keras
+    restores it, params and state, with
     ``tf.train.Checkpoint(optimizer=opt).restore(path)`` once ``opt`` is
-    built on the model's trainable variables. Returns `path`.
+    built on the model's trainable variables.
 
     ``layout="tf_keras2"`` writes tf.keras 2's (tf-keras ``optimizer_v2``)
     instead, as ``tf.train.Checkpoint(<model>=params, optimizer=opt)``
     saves it: ``optimizer/iter`` (int64), ``learning_rate``, ``decay`` and
     the hyperparameter variables, each slot under its variable's
     ``.OPTIMIZER_SLOT/optimizer/<tf.keras slot name>`` (``m``, ``v``,
-    ``vhat``, ``rms``, ``mg``, ...); `params` are written at `model` as
-    the pytree they are (SGD, Adam, Adamax, RMSprop, Adagrad, Adadelta).
+    ``vhat``, ``rms``, ``mg``, ...), for SGD, Adam, Adamax, RMSprop, Adagrad
+    and Adadelta.
+
+    Args:
+        path: the checkpoint prefix to write.
+        optimizer: the `varstate.optimizers.keras` optimizer.
+        params: its trainable params, in Keras's order of trainable variables.
+        state: the optimizer's `OptimizerState` for `params`.
+        name: the optimizer's Keras name in the variable names; None is
+            Keras's default for the class (``adam``, ``rm_sprop``...).
+        layout: ``"keras3"``, or ``"tf_keras2"`` for tf.keras 2's layout.
+        model: (``tf_keras2``) the root name `params` are written under, as
+            the pytree they are.
+
+    Returns:
+        `path`.
+
+    Raises:
+        TypeError: `optimizer` is not a `varstate.optimizers.keras` optimizer,
+            or `state` not an OptimizerState.
+        ValueError: an unknown `layout`; a state without ``iteration`` or
+            without a slot of a trainable param; (``tf_keras2``) an optimizer
+            with no tf.keras 2 counterpart, or a learning-rate schedule.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> from checkpoint import keras

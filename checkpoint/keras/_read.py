@@ -35,9 +35,12 @@ _MAX_DEPTH = 100  # groups (HDF5) or object-graph levels; a real Keras model nes
 _KERNEL_BIAS = {1: ("kernel",), 2: ("kernel", "bias")}
 _SEPARABLE = {2: ("depthwise_kernel", "pointwise_kernel"), 3: ("depthwise_kernel", "pointwise_kernel", "bias")}
 _RNN_CELL = {2: ("kernel", "recurrent_kernel"), 3: ("kernel", "recurrent_kernel", "bias")}
-# Keras 3 built-in layers: the names of the weights `save_own_variables` stores, by how many it stores
-# (trainable ones first, in creation order, then non-trainable ones). A count with two meanings
-# (BatchNormalization with center or scale off stores 3) is left out: those weights stay positional.
+#: The weight names of Keras 3's built-in layers, which a ``.weights.h5`` stores by position only:
+#: ``{layer name without its _N suffix: {number of weights stored: their names in order}}``, trainable
+#: weights first in creation order, then non-trainable ones (``BUILTIN_WEIGHT_NAMES["dense"][2]`` is
+#: ``("kernel", "bias")``). `load_weights` names a layer's weights from it; a layer not listed, or a count
+#: with two meanings (BatchNormalization with center or scale off stores 3), keeps positional names
+#: (``"0"``, ``"1"``...) unless ``load_weights(weight_names=...)`` names them.
 BUILTIN_WEIGHT_NAMES: dict[str, dict[int, tuple[str, ...]]] = {
     **{
         k: _KERNEL_BIAS
@@ -68,11 +71,15 @@ _NON_TRAINABLE = frozenset({"moving_mean", "moving_variance", "moving_stddev", "
 class LayerLayout(NamedTuple):
     """Where one layer's weights sit in Keras's files: what `save_weights` needs to write them back.
 
-    `path` is the layer's key path in the `KerasWeights` dict (``()`` for the
-    model itself), `name` Keras's layer name, `group` its HDF5 group in a
-    Keras 3 ``.weights.h5`` (``""`` for the model; None when the source was
-    not one), `weights` its weight names in the order Keras stores them and
-    `shapes` / `dtypes` theirs as read.
+    Args:
+        path: the layer's key path in the `KerasWeights` dict (``()`` for the
+            model itself).
+        name: Keras's layer name.
+        group: its HDF5 group in a Keras 3 ``.weights.h5`` (``""`` for the
+            model; None when the source was not one).
+        weights: its weight names in the order Keras stores them.
+        shapes: their shapes as read (``()`` when not given).
+        dtypes: their dtype names as read (``()`` when not given).
 
     >>> from checkpoint.keras import LayerLayout
     >>> LayerLayout(("dense",), "dense", "layers/dense", ("kernel", "bias")).weights
@@ -92,8 +99,14 @@ class KerasWeights(dict):
 
     It is a JAX pytree: ``jax.tree.map`` over it gives a `KerasWeights` with
     the same layout, so `save_weights` can write transformed weights back
-    for Keras without being told the layout again. `layout` holds one
-    `LayerLayout` per layer, in Keras's order; `source` the file read.
+    for Keras without being told the layout again.
+
+    Args:
+        items: the weights, as for ``dict(items)``: layer name -> {weight name
+            -> Variable or array, sublayer name -> {...}}.
+        layout: one `LayerLayout` per layer, in Keras's order; ``()`` when
+            unknown (then `save_weights` needs ``like=``).
+        source: the file the weights were read from (for messages); ``""``.
 
     >>> import jax, numpy as np, varstate
     >>> from checkpoint.keras import KerasWeights, LayerLayout
@@ -214,22 +227,37 @@ def load_weights(
     node: str | None = None,
     registry: varstate.Registry | None = None,
 ) -> KerasWeights:
-    """Reads a Keras model's weights (any format in the module docstring) as `varstate.Variable`s.
+    """Reads a Keras model's weights (any format in the module docstring) as `varstate.Variable` objects.
 
-    Returns a `KerasWeights`: layer name -> {weight name -> Variable,
-    sublayer name -> {...}} in Keras's layer order, values bit-exact. A
-    Variable is named by its Keras path relative to the model
-    (``"lstm/lstm_cell/kernel"``) and made in `registry` (default: a new
-    `varstate.Registry`, so that the names are exactly those paths).
-    64-bit values are narrowed as JAX holds them (an int64 out of int32's
-    range raises) unless JAX's 64-bit types are on.
+    A Variable is named by its Keras path relative to the model
+    (``"lstm/lstm_cell/kernel"``). 64-bit values are narrowed as JAX holds
+    them unless JAX's 64-bit types are on.
 
-    `weight_names` names the weights of layers a Keras 3 ``.weights.h5``
-    stores by position only: ``{"my_layer": ["w", "b"]}``, keyed by layer
-    name or by the layer's key path (``"block/my_layer"``). `node` is the
-    model's object path in a TF checkpoint holding more than one candidate
-    (default: the root, or its only child that is a Keras model, or
-    ``"model"``).
+    Args:
+        path: a ``.weights.h5``, ``.keras`` or legacy ``.h5`` file, or a TF
+            checkpoint (its prefix or directory); the format is found from
+            the file itself, not its name.
+        weight_names: names for the weights of layers a Keras 3
+            ``.weights.h5`` stores by position only: ``{"my_layer": ["w",
+            "b"]}``, keyed by layer name or by the layer's key path
+            (``"block/my_layer"``); layers of `BUILTIN_WEIGHT_NAMES` need none.
+        node: the model's object path in a TF checkpoint holding more than
+            one candidate; None is the root, or its only child that is a
+            Keras model, or ``"model"``.
+        registry: the `varstate.Registry` the Variables are made in; None is
+            a new one, so that the names are exactly the Keras paths.
+
+    Returns:
+        A `KerasWeights`, layer name -> {weight name -> Variable, sublayer
+        name -> {...}} in Keras's layer order, values bit-exact.
+
+    Raises:
+        TypeError: `path` is not a string or path.
+        FileNotFoundError: nothing readable at `path`.
+        CheckpointFormatError: a file that is not Keras weights, or is corrupt
+            or hostile (naming the file and the group or key).
+        ValueError: an int64 value out of int32's range while JAX's 64-bit
+            types are off; a TF checkpoint with no Keras model at `node`.
 
     >>> import os, tempfile, numpy as np, varstate
     >>> from checkpoint import keras

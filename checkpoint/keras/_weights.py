@@ -28,22 +28,38 @@ def save_weights(
 ) -> str:
     """Writes `weights` as a Keras 3 ``.weights.h5`` that Keras's ``model.load_weights`` reads; returns the path.
 
-    `weights` is layer name -> {weight name -> Variable, array or scalar}
-    (what `load_weights` returns, changed or not). Keras finds weights by
-    their file layout (group names derived from layer classes, weights by
-    position), which a plain dict does not carry: it comes from `like`, a
-    ``.weights.h5`` or ``.keras`` file Keras wrote for the same architecture,
-    or else from `weights.layout` when `weights` is a `KerasWeights` read from
-    a Keras 3 file. Every weight of the layout must be present with the
-    layout's shape, and every weight given must be used; the first exception
-    is named. Optimizer state is written when `optimizer` (a
-    `varstate.optimizers.keras` optimizer) and its `optimizer_state` (made
-    on `weights`, e.g. by `load_optimizer_state`) are given, as Keras's
-    ``optimizer/vars/N``; Keras's ``model.load_weights`` loads it into a
-    compiled model whose optimizer is built. Otherwise Keras keeps the
-    model's own optimizer state (with a warning if it has one).
+    Keras finds weights by their file layout (group names derived from
+    layer classes, weights by position), which a plain dict does not carry:
+    it comes from `like`, or else from ``weights.layout``. Every weight of
+    the layout must be present with the layout's shape, and every weight
+    given must be used. Optimizer state is written as Keras's
+    ``optimizer/vars/N``, which Keras's ``model.load_weights`` loads into a
+    compiled model whose optimizer is built; without it Keras keeps the
+    model's own optimizer state (with a warning if it has one). The file is
+    written next to `path` and renamed into place.
 
-    The file is written next to `path` and renamed into place.
+    Args:
+        path: the file to write; its name must end in ``.weights.h5`` (Keras
+            reads this format only from such a name).
+        weights: layer name -> {weight name -> Variable, array or scalar}
+            (what `load_weights` returns, changed or not); a `KerasWeights`
+            read from a Keras 3 file carries its layout.
+        like: a ``.weights.h5`` or ``.keras`` file Keras wrote for the same
+            architecture, giving the layout; None uses ``weights.layout``.
+        optimizer: a `varstate.optimizers.keras` optimizer whose state to
+            write too; None writes none.
+        optimizer_state: its `OptimizerState`, made on `weights` (e.g. by
+            `load_optimizer_state`); given with `optimizer` or not at all.
+
+    Returns:
+        `path`.
+
+    Raises:
+        TypeError: `path` is not a string or path, or `weights` not a dict.
+        ValueError: a name not ending in ``.weights.h5``; no layout (a plain
+            dict without `like`); a weight missing, unused or of another
+            shape than the layout's (naming the first); only one of
+            `optimizer` and `optimizer_state`.
 
     >>> import os, tempfile, numpy as np
     >>> from checkpoint import keras
@@ -188,8 +204,29 @@ def assign_weights(
       Module attributes sorted) takes the n-th weight in Keras's order.
 
     Every shape must match; a value takes the leaf's dtype when both are
-    floats (or both integers), and goes to the leaf's sharding. Errors name
-    the first leaf that has no weight, or whose shape or dtype does not fit.
+    floats (or both integers), and goes to the leaf's sharding.
+
+    Args:
+        target: the pytree to fill (dicts, lists, Variables, arrays, an nnx
+            Module); it is not changed.
+        weights: Keras weights, as `load_weights` returns them (or nested
+            dicts of arrays).
+        name_map: a dict or function from leaf name to the Keras weight's
+            path; None matches by name, else by structure (above).
+        strict: every leaf must get a weight and every weight must be used;
+            False leaves unmapped leaves unchanged and lets weights go unused
+            (with `name_map` only).
+
+    Returns:
+        A new tree like `target` (a Variable leaf becomes a new version with its
+        identity) holding the weights.
+
+    Raises:
+        ValueError: a leaf with no weight, a weight left unused, a count
+            mismatch (by structure), a shape that does not fit, or a dtype
+            of another family (a float into an integer leaf); the message
+            names the first.
+        TypeError: `weights` is not a dict.
 
     >>> import numpy as np
     >>> from checkpoint.keras import assign_weights

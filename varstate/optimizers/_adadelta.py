@@ -8,7 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
+from varstate.optimizers._core._rows import as_dtype, update_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +20,16 @@ class Adadelta(Optimizer):
     ``var -= update * lr``;
     ``accum_update = accum_update * rho + update**2 * (1 - rho)``.
     Sparse gradients update only their rows (duplicate indices summed first).
+
+    Args:
+        learning_rate: the step size (TF's default 0.001); a float or a
+            callable ``f(step)`` (then pass ``step=`` to each update).
+        rho: the decay rate of both accumulators; a float or a callable.
+        epsilon: added inside both square roots; a float or a callable.
+
+    Raises:
+        TypeError: a hyperparameter that is neither a float nor a callable of the
+            step, or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import Adadelta
@@ -39,22 +49,13 @@ class Adadelta(Optimizer):
     def _slot_inits(self):
         return {"accum": 0.0, "accum_update": 0.0}
 
-    def _step(self, h, grad, var, accum, accum_update):
-        lr, rho, eps = (as_dtype(h[k], var.dtype) for k in ("learning_rate", "rho", "epsilon"))
-        accum = accum * rho + grad * grad * (1 - rho)
-        # TF says rsqrt(accum + epsilon); its correctly rounded form is 1 / sqrt (see Adagrad).
-        update = jnp.sqrt(accum_update + eps) * (1 / jnp.sqrt(accum + eps)) * grad
-        var = var - update * lr
-        return var, accum, accum_update * rho + update * update * (1 - rho)
-
     def _dense(self, h, grad, var, slots, non_slots):
-        var, accum, accum_update = self._step(h, grad, var, slots["accum"], slots["accum_update"])
-        return var, {"accum": accum, "accum_update": accum_update}
+        lr, rho, eps = (as_dtype(h[k], var.dtype) for k in ("learning_rate", "rho", "epsilon"))
+        accum = slots["accum"] * rho + grad * grad * (1 - rho)
+        # TF says rsqrt(accum + epsilon); its correctly rounded form is 1 / sqrt (see Adagrad).
+        update = jnp.sqrt(slots["accum_update"] + eps) * (1 / jnp.sqrt(accum + eps)) * grad
+        accum_update = slots["accum_update"] * rho + update * update * (1 - rho)
+        return var - update * lr, {"accum": accum, "accum_update": accum_update}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
-        old = (gather_rows(slots[k], indices) for k in ("accum", "accum_update"))
-        rows, accum, accum_update = self._step(h, values, gather_rows(var, indices), *old)
-        return set_rows(var, indices, rows), {
-            "accum": set_rows(slots["accum"], indices, accum),
-            "accum_update": set_rows(slots["accum_update"], indices, accum_update),
-        }
+        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots), values, indices, var, slots)

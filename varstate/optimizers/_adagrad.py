@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
+from varstate.optimizers._core._rows import as_dtype, update_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +17,16 @@ class Adagrad(Optimizer):
     """`tf.compat.v1.train.AdagradOptimizer`; slot ``accumulator`` starting at ``initial_accumulator_value``.
 
     ``accum += grad**2``; ``var -= grad * lr * (1 / sqrt(accum))``.
+
+    Args:
+        learning_rate: the step size; a float or a callable ``f(step)``
+            (then pass ``step=`` to each update).
+        initial_accumulator_value: the accumulator's starting value (positive).
+
+    Raises:
+        ValueError: `initial_accumulator_value` is not positive (as TF).
+        TypeError: a hyperparameter that is neither a float nor a callable of the
+            step, or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import Adagrad
@@ -42,18 +52,15 @@ class Adagrad(Optimizer):
     def _slot_inits(self):
         return {"accumulator": self.initial_accumulator_value}
 
-    def _dense(self, h, grad, var, slots, non_slots):
+    def _dense(self, h, grad, var, slots, non_slots, wide=False):
         lr = as_dtype(h["learning_rate"], var.dtype)
         accum = slots["accumulator"] + grad * grad
+        if wide:  # TF's sparse kernel divides by sqrt when a row has one element
+            return var - lr * grad / jnp.sqrt(accum), {"accumulator": accum}
         # TF's kernel says rsqrt, which TF evaluates as the correctly rounded 1 / sqrt. Op by op, so do we;
         # under jit XLA rewrites 1 / sqrt as rsqrt, within 1 ulp (the jit contract in the README).
         return var - grad * lr * (1 / jnp.sqrt(accum)), {"accumulator": accum}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
-        lr = as_dtype(h["learning_rate"], var.dtype)
-        accum = gather_rows(slots["accumulator"], indices) + values * values
-        if math.prod(var.shape[1:]) > 1:
-            rows = gather_rows(var, indices) - lr * values * (1 / jnp.sqrt(accum))
-        else:  # TF's kernel divides by sqrt when a row has one element
-            rows = gather_rows(var, indices) - lr * values / jnp.sqrt(accum)
-        return set_rows(var, indices, rows), {"accumulator": set_rows(slots["accumulator"], indices, accum)}
+        wide = math.prod(var.shape[1:]) == 1
+        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots, wide), values, indices, var, slots)

@@ -42,6 +42,22 @@ class AdagradDA(Optimizer):
     variable TF's checkpoints do not have. ``global_step=`` is accepted only as
     None, so that TF's positional order still holds.
 
+    Args:
+        learning_rate: the step size; a float or a callable ``f(step)``
+            (then pass ``step=`` to each update).
+        global_step: only None is accepted (see above): pass the global step
+            to each update as ``step=``.
+        initial_gradient_squared_accumulator_value: the starting value of
+            ``gradient_squared_accumulator`` (positive).
+        l1_regularization_strength: the L1 strength (a float; 0 turns it off).
+        l2_regularization_strength: the L2 strength (a float).
+
+    Raises:
+        TypeError: a `global_step` other than None; a strength or accumulator
+            value that is not a float; or, at update, a missing or non-integer
+            ``step=``.
+        ValueError: `initial_gradient_squared_accumulator_value` is not positive.
+
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import AdagradDA
     >>> w = varstate.Variable(jnp.zeros(2), name="w")
@@ -77,7 +93,16 @@ class AdagradDA(Optimizer):
         )
 
     def hyperparameters(self, step: Any = None) -> dict[str, Any]:
-        """The learning rate at `step`, and ``global_step``: `step` itself (required).
+        """The learning rate at `step`, and ``global_step``, which is `step` itself.
+
+        Args:
+            step: the global step before this update (required).
+
+        Returns:
+            ``{"learning_rate": ..., "global_step": step}``.
+
+        Raises:
+            TypeError: `step` is None, or not a scalar integer.
 
         >>> from varstate.optimizers import AdagradDA
         >>> AdagradDA(0.1).hyperparameters(step=4)["global_step"].item()

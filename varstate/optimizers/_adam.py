@@ -25,6 +25,20 @@ class Adam(Optimizer):
     LazyAdamOptimizer) updates only the touched rows of ``m``, ``v`` and the
     variable, so a step costs O(rows touched).
 
+    Args:
+        learning_rate: the step size; a float or a callable ``f(step)``
+            (then pass ``step=`` to each update).
+        beta1: the decay of ``m``, a float (it is also ``beta1_power``'s initial value).
+        beta2: the decay of ``v``, a float (``beta2_power``'s initial value).
+        epsilon: TF's "epsilon hat", added to ``sqrt(v)``; a float or a callable.
+        lazy: update only the rows an `IndexedSlices` gradient touches (TF's
+            ``LazyAdamOptimizer``); dense gradients are unaffected.
+
+    Raises:
+        TypeError: a hyperparameter that is neither a float nor a callable of the
+            step, or an unknown keyword (the message names the closest).
+            At `Optimizer.init`, a callable `beta1` or `beta2`.
+
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import Adam
     >>> emb = varstate.Variable(jnp.ones((4, 2)), name="emb")

@@ -34,6 +34,23 @@ class Ftrl(Optimizer):
     (a callable learning rate is not checked). TF's ``accum_name`` and
     ``linear_name`` only name graph-mode variables and are not taken.
 
+    Args:
+        learning_rate: the step size (positive); a float or a callable
+            ``f(step)`` (then pass ``step=`` to each update).
+        learning_rate_power: the power ``-p`` above (zero or negative; -0.5
+            takes square roots).
+        initial_accumulator_value: the starting value of ``accum`` (zero or
+            positive).
+        l1_regularization_strength: the L1 strength (zero or positive).
+        l2_regularization_strength: the L2 strength (zero or positive).
+        l2_shrinkage_regularization_strength: the strength of the shrinkage
+            added to the gradient (zero or positive; 0 turns it off).
+        beta: added to L2 as ``beta / (2 * lr)``; None is 0.
+
+    Raises:
+        ValueError: a value out of the ranges above (at construction, as TF).
+        TypeError: an option other than `learning_rate` that is not a float.
+
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import Ftrl
     >>> w = varstate.Variable(jnp.zeros(3), name="w")

@@ -15,6 +15,14 @@ class GradientDescent(Optimizer):
 
     Sparse gradients are scattered with their duplicates (TF does not sum them first).
 
+    Args:
+        learning_rate: the step size; a float or a callable ``f(step)``
+            (then pass ``step=`` to each update).
+
+    Raises:
+        TypeError: a hyperparameter that is neither a float nor a callable of the
+            step, or an unknown keyword (the message names the closest).
+
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import GradientDescent
     >>> emb = varstate.Variable(jnp.zeros((3, 2)), name="emb")

@@ -40,18 +40,13 @@ def _all_finite(grads: Any) -> Any:
 def _unscaled(grads: Any, scale: Any) -> Any:
     reciprocal = 1.0 / scale
 
-    def unscale(g: Any) -> Any:
-        if g is None:
-            return None
+    def unscale(g: Any) -> Any:  # an array: a Variable's (or its wrapper's) value, a gradient, sparse rows
         if isinstance(g, IndexedSlices):
-            values = _grad_value(g)
-            return IndexedSlices(values * reciprocal.astype(values.dtype), g.indices, g.dense_shape)
-        if isinstance(g, Variable) or hasattr(g, "__varstate_variable__"):
-            return jax.tree.map(lambda x: x * reciprocal.astype(x.dtype), g)
+            return IndexedSlices(unscale(g.values), g.indices, g.dense_shape)
         g = jnp.asarray(g)
         return g * reciprocal.astype(g.dtype)
 
-    return jax.tree.map(unscale, grads, is_leaf=_is_grad_leaf)
+    return jax.tree.map(unscale, grads, is_leaf=lambda x: isinstance(x, IndexedSlices))
 
 
 def _scaled_loss(scale: Any, fn: tuple[Callable[..., Any], bool], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -62,10 +57,6 @@ def _scaled_loss(scale: Any, fn: tuple[Callable[..., Any], bool], *args: Any, **
     loss, aux = out if has_aux else (out, None)
     loss = jnp.asarray(loss)
     return loss * scale.astype(loss.dtype), (loss, aux)
-
-
-def _shifted(argnums: int | Sequence[int]) -> int | tuple[int, ...]:
-    return argnums + 2 if isinstance(argnums, int) else tuple(a + 2 for a in argnums)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +75,21 @@ class LossScaleOptimizer(Optimizer):
     saved as int64 either way), so it checkpoints like any optimizer state.
     With ``dynamic=False`` the scale is the fixed ``initial_scale``.
 
-    Errors as Keras: TypeError for an inner object that is not an Optimizer,
-    a non-bool ``dynamic`` or a nested LossScaleOptimizer; ValueError for
-    ``dynamic=False`` without ``initial_scale`` or with ``growth_interval``.
+    Args:
+        inner_optimizer: the `Optimizer` that takes the unscaled steps (an
+            optax transformation: wrap it with `from_optax` first).
+        dynamic: adjust the scale as above; False keeps ``initial_scale``.
+        initial_scale: the starting scale; None is 2**15 when dynamic
+            (Keras's default) and must be given when not.
+        growth_interval: finite steps between doublings (a positive int);
+            None is 2000 when dynamic, and must be None when not.
+
+    Raises:
+        TypeError: (as Keras) `inner_optimizer` is not an Optimizer or is
+            itself a LossScaleOptimizer; `dynamic` is not a bool.
+        ValueError: (as Keras) ``dynamic=False`` without `initial_scale` or
+            with `growth_interval`; a `growth_interval` that is not a
+            positive integer.
 
     >>> import jax, jax.numpy as jnp, varstate
     >>> from varstate.optimizers import GradientDescent
@@ -110,21 +113,21 @@ class LossScaleOptimizer(Optimizer):
     growth_interval: int | None = None  # 2000 when dynamic
 
     def __post_init__(self) -> None:
-        if isinstance(self.inner_optimizer, LossScaleOptimizer):
+        inner = self.inner_optimizer
+        if isinstance(inner, LossScaleOptimizer):
             raise TypeError(
                 "LossScaleOptimizer cannot wrap another LossScaleOptimizer: wrap its inner_optimizer instead."
             )
-        inner = self.inner_optimizer
         if not isinstance(inner, Optimizer) and hasattr(inner, "init") and hasattr(inner, "update"):
             raise TypeError(
                 f"LossScaleOptimizer: inner_optimizer is an optax transformation ({type(inner).__name__}), not a "
                 "varstate Optimizer: wrap it with from_optax first, e.g. "
                 "LossScaleOptimizer(varstate.optimizers.from_optax(optax.adam(1e-3)))."
             )
-        if not isinstance(self.inner_optimizer, Optimizer):
+        if not isinstance(inner, Optimizer):
             raise TypeError(
                 f"LossScaleOptimizer: inner_optimizer must be a varstate.optimizers.Optimizer, got "
-                f"{type(self.inner_optimizer).__name__}."
+                f"{type(inner).__name__}."
             )
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"LossScaleOptimizer: dynamic must be a bool, got {self.dynamic!r}.")
@@ -148,8 +151,18 @@ class LossScaleOptimizer(Optimizer):
     def init(self, params: Any, state: OptimizerState | None = None, **kwargs: Any) -> OptimizerState:
         """The inner optimizer's state plus ``current_loss_scale`` and ``good_steps`` (when dynamic).
 
-        With `state`, keeps what it holds for these params and creates the rest (see `Optimizer.init`);
-        keyword arguments (``fused=``, ``stepped=``) go to the inner optimizer's ``init``.
+        Args:
+            params: the params pytree, as for `Optimizer.init`.
+            state: an existing state: what it holds for these params is kept,
+                the rest created (see `Optimizer.init`); None creates all.
+            **kwargs: ``fused=``, ``stepped=``, passed to the inner optimizer's ``init``.
+
+        Returns:
+            The `OptimizerState`.
+
+        Raises:
+            ValueError: the inner optimizer already has a non-slot named
+                ``current_loss_scale`` or ``good_steps``.
         """
         kept = {}
         if state is not None and self.dynamic:
@@ -180,18 +193,42 @@ class LossScaleOptimizer(Optimizer):
         return slots, non_slots
 
     def loss_scale(self, state: OptimizerState) -> Any:
-        """The current loss scale (float32 scalar)."""
+        """The current loss scale, a float32 scalar (the fixed ``initial_scale`` when not dynamic).
+
+        Args:
+            state: this optimizer's `OptimizerState`.
+
+        Returns:
+            The scale (a jax.Array).
+        """
         if not self.dynamic:
             return jnp.float32(self.initial_scale)
         return state.non_slot(_SCALE).value
 
     def get_scaled_loss(self, loss: Any, state: OptimizerState) -> Any:
-        """``loss * loss_scale``, in the loss's dtype."""
+        """``loss * loss_scale``, in the loss's dtype (Keras's ``get_scaled_loss``).
+
+        Args:
+            loss: the loss (a scalar array).
+            state: the `OptimizerState` of this step, before the update.
+
+        Returns:
+            The scaled loss, to differentiate.
+        """
         loss = jnp.asarray(loss)
         return loss * self.loss_scale(state).astype(loss.dtype)
 
     def get_unscaled_gradients(self, grads: Any, state: OptimizerState) -> Any:
-        """Each gradient times ``1 / loss_scale`` (None, IndexedSlices and Variables kept as such)."""
+        """Each gradient times ``1 / loss_scale`` (Keras's ``get_unscaled_gradients``).
+
+        Args:
+            grads: the gradients of the scaled loss, a pytree; None,
+                `IndexedSlices` and Variables stay of their kind.
+            state: the same `OptimizerState` the loss was scaled with.
+
+        Returns:
+            The unscaled gradients, in `grads`' structure.
+        """
         return _unscaled(grads, self.loss_scale(state))
 
     def value_and_grad(
@@ -209,6 +246,16 @@ class LossScaleOptimizer(Optimizer):
         the scale after the update (halved on an overflow, doubled after
         ``growth_interval`` good steps) gives gradients off by that factor.
 
+        Args:
+            loss_fn: the loss function, ``loss_fn(*args)`` returning a scalar
+                (``(loss, aux)`` with `has_aux`).
+            argnums: which positional argument(s) of `loss_fn` to differentiate
+                (as ``jax.value_and_grad``).
+            has_aux: `loss_fn` returns ``(loss, aux)``.
+
+        Returns:
+            ``f(state, *args, **kwargs) -> (loss, grads, finite)``.
+
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import GradientDescent
         >>> from varstate.mixed_precision import LossScaleOptimizer
@@ -220,7 +267,8 @@ class LossScaleOptimizer(Optimizer):
         >>> loss.item(), grads[0].value.tolist(), bool(finite)
         (15.0, [6.0, 12.0], True)
         """
-        grad_fn = jax.value_and_grad(_scaled_loss, argnums=_shifted(argnums), has_aux=True)
+        shifted = argnums + 2 if isinstance(argnums, int) else tuple(a + 2 for a in argnums)
+        grad_fn = jax.value_and_grad(_scaled_loss, argnums=shifted, has_aux=True)
 
         def value_and_grad_fn(state: OptimizerState, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
             scale = self.loss_scale(state)
@@ -235,7 +283,17 @@ class LossScaleOptimizer(Optimizer):
     ) -> tuple[Any, OptimizerState]:
         """The inner update if every gradient is finite, else params and inner state unchanged; then the scale.
 
-        `extra_args` go to the inner optimizer's ``update``.
+        Pure and un-jitted, as `Optimizer.update`; `apply_gradients` runs it jitted.
+
+        Args:
+            grads: the unscaled gradients (`get_unscaled_gradients`).
+            params: the params pytree.
+            state: this optimizer's `OptimizerState`.
+            step: the step, for callable hyperparameters of the inner optimizer.
+            **extra_args: passed to the inner optimizer's ``update``.
+
+        Returns:
+            ``(params, state)``, the new versions.
         """
         if not self.dynamic:
             return self.inner_optimizer.update(grads, params, state, step, **extra_args)

@@ -17,6 +17,16 @@ class Momentum(Optimizer):
     ``var -= grad * lr + accum * momentum * lr``). Sparse gradients touch only
     their rows.
 
+    Args:
+        learning_rate: the step size; a float or a callable ``f(step)``
+            (then pass ``step=`` to each update).
+        momentum: the accumulator's decay; a float or a callable.
+        use_nesterov: take Nesterov's step (the formula above).
+
+    Raises:
+        TypeError: a hyperparameter that is neither a float nor a callable of the
+            step, or an unknown keyword (the message names the closest).
+
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import Momentum
     >>> w = varstate.Variable(jnp.zeros(2), name="w")

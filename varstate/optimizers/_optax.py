@@ -18,20 +18,21 @@ from varstate.optimizers._core._matching import (
     convert_grad,
     flatten_grads,
     is_var,
-    key_name,
     owner_positions,
     path_label,
+    with_value,
 )
 from varstate.optimizers._core._slots import Existing, check_non_slots, check_slots, make_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
 
 
-def _layout(opt_state: Any, values: Any) -> tuple[Any, list[tuple[str, bool]]]:
+def _parts(opt_state: Any, values: Any, p_def: Any) -> tuple[Any, list[tuple[str, bool, Any]]]:
     """Splits an optax state into per-param subtrees (slots) and other leaves (non-slots).
 
     Returns the treedef whose leaves are those parts, and for each part its
-    name and whether it is a slot. A part is a slot when it has the structure
-    of `values` (params with None at skipped positions) and the same shapes.
+    name, whether it is a slot and its value (a slot's as one entry per param
+    leaf). A part is a slot when it has the structure of `values` (params
+    with None at skipped positions) and the same shapes.
     """
     v_def = jax.tree.structure(values)
     v_shapes = [x.shape for x in jax.tree.leaves(values)]
@@ -42,14 +43,15 @@ def _layout(opt_state: Any, values: Any) -> tuple[Any, list[tuple[str, bool]]]:
         return [getattr(y, "shape", None) for y in jax.tree.leaves(x)] == v_shapes
 
     flat, outer = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=per_param)
-    parts = [(path, per_param(x)) for path, x in flat]
-    short = [key_name(path[-1]) if path else "state" for path, _ in parts]
-    names = []
-    for (path, is_slot), name in zip(parts, short, strict=True):
+    # Plain names: a dict key, an index, an attribute's name.
+    short = [jax.tree_util.keystr(path[-1:], simple=True) if path else "state" for path, _ in flat]
+    parts = []
+    for (path, part), name in zip(flat, short, strict=True):
         if short.count(name) > 1:  # e.g. two `count`s in a chain: spell the whole path
-            name = "_".join(key_name(k) for k in path)
-        names.append((name, is_slot))
-    return outer, names
+            name = jax.tree_util.keystr(path, simple=True, separator="_")
+        is_slot = per_param(part)
+        parts.append((name, is_slot, p_def.flatten_up_to(part) if is_slot else part))
+    return outer, parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,20 +68,16 @@ class _OptaxOptimizer(Optimizer):
             for i, p in enumerate(p_leaves)
         ])
 
+    def _initial_parts(self, p_leaves: list, p_def: Any) -> list[tuple[str, bool, Any]]:
+        values = self._values(p_leaves, p_def)
+        return _parts(self.tx.init(values), values, p_def)[1]
+
     def _initial_arrays(self, leaves: list, initial: Any = None) -> tuple[dict[str, list], dict[str, Any]]:
         """The initial slots (one entry per leaf, None where none) and non-slots as arrays: traceable (`to_optax`)."""
         del initial  # the transformation's own init is traceable
-        p_def = jax.tree.structure(leaves, is_leaf=is_var)
-        values = self._values(leaves, p_def)
-        opt_state = self.tx.init(values)
-        outer, names = _layout(opt_state, values)
-        slots, non_slots = {}, {}
-        for part, (name, is_slot) in zip(outer.flatten_up_to(opt_state), names, strict=True):
-            if is_slot:
-                slots[name] = p_def.flatten_up_to(part)
-            else:
-                non_slots[name] = part
-        return slots, non_slots
+        parts = self._initial_parts(leaves, jax.tree.structure(leaves, is_leaf=is_var))
+        return ({name: part for name, is_slot, part in parts if is_slot},
+                {name: part for name, is_slot, part in parts if not is_slot})
 
     def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
              fused: bool | None = None) -> OptimizerState:
@@ -95,16 +93,13 @@ class _OptaxOptimizer(Optimizer):
             )
         flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
         p_leaves, paths = [x for _, x in flat], [p for p, _ in flat]
-        values = self._values(p_leaves, p_def)
-        opt_state = self.tx.init(values)
-        outer, names = _layout(opt_state, values)
         existing = Existing(state, p_def, paths)
         registry, placement = non_slot_home(p_leaves)  # replicated over the first variable's mesh, as the base's
         slots, non_slots = {}, {}
-        for part, (name, is_slot) in zip(outer.flatten_up_to(opt_state), names, strict=True):
+        for name, is_slot, part in self._initial_parts(p_leaves, p_def):
             if is_slot:
                 made = []
-                for i, (p, s) in enumerate(zip(p_leaves, p_def.flatten_up_to(part), strict=True)):
+                for i, (p, s) in enumerate(zip(p_leaves, part, strict=True)):
                     kept = None if s is None else existing.get(name, i, p, (s.shape, s.dtype))
                     # Copied: an optax state may hold the params' own arrays, and both are donated.
                     made.append(kept if kept is not None else None if s is None else
@@ -120,7 +115,18 @@ class _OptaxOptimizer(Optimizer):
     def update(
         self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
     ) -> tuple[Any, OptimizerState]:
-        """One step of the hosted transformation; `extra_args` (``value=``, ``grad=``, ...) go to ``tx.update``.
+        """One step of the hosted transformation (pure, un-jitted; see `Optimizer.update`).
+
+        Args:
+            grads: the gradients, with the params' structure.
+            params: the params pytree.
+            state: the `OptimizerState` from `init`.
+            step: ignored: optax transformations count their own steps.
+            **extra_args: passed to ``tx.update`` (``value=`` for
+                ``reduce_on_plateau``, ``grad=``, ...).
+
+        Returns:
+            ``(params, state)``, the new versions.
 
         >>> import jax, jax.numpy as jnp, optax
         >>> from varstate.optimizers import from_optax
@@ -151,20 +157,17 @@ class _OptaxOptimizer(Optimizer):
         # TF skips a variable without gradient: feed zeros, then keep its old value and slots.
         skipped = [i for i, v in enumerate(v_leaves) if v is not None and i not in summed]
         dense = [None if v is None else summed.get(i, jnp.zeros_like(v)) for i, v in enumerate(v_leaves)]
-        shapes = jax.eval_shape(self.tx.init, values)
-        outer, names = _layout(shapes, values)
-        slot_names = [name for name, is_slot in names if is_slot]
-        wants = {name: p_def.flatten_up_to(part)
-                 for part, (name, is_slot) in zip(outer.flatten_up_to(shapes), names, strict=True) if is_slot}
+        outer, shapes = _parts(jax.eval_shape(self.tx.init, values), values, p_def)
+        wants = {name: part for name, is_slot, part in shapes if is_slot}
 
-        def want(i, name):
+        def want(i, name, slot):
             s = wants[name][i]
             return None if s is None or v_leaves[i] is None else (s.shape, s.dtype)
 
-        slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
-        check_non_slots(state, [name for name, is_slot in names if not is_slot])
+        slot_leaves = check_slots(state, list(wants), p_leaves, p_def, paths, owners, want)
+        check_non_slots(state, [name for name, is_slot, _ in shapes if not is_slot])
         parts = []
-        for name, is_slot in names:
+        for name, is_slot, _ in shapes:
             if is_slot:
                 parts.append(p_def.unflatten([
                     None if v is None else array_of(s) for s, v in zip(slot_leaves[name], v_leaves, strict=True)
@@ -175,24 +178,16 @@ class _OptaxOptimizer(Optimizer):
             p_def.unflatten(dense), outer.unflatten(parts), values, **extra_args
         )
         u_leaves = p_def.flatten_up_to(updates)
-        new_p = []
-        for i, (p, v, u) in enumerate(zip(p_leaves, v_leaves, u_leaves, strict=True)):
-            if v is None or i in skipped:
-                new_p.append(p)
-                continue
-            new_v = cast_like((v + u).astype(v.dtype), v)
-            new_p.append(p._with_value(new_v) if isinstance(p, Variable) else new_v)
+        new_p = [p if v is None or i in skipped else with_value(p, cast_like((v + u).astype(v.dtype), v))
+                 for i, (p, v, u) in enumerate(zip(p_leaves, v_leaves, u_leaves, strict=True))]
         new_p = [new_p[i] for i in owners]
         slots, non_slots = {}, {}
-        for part, (name, is_slot) in zip(outer.flatten_up_to(new_opt_state), names, strict=True):
+        for (name, is_slot, _), part in zip(shapes, outer.flatten_up_to(new_opt_state), strict=True):
             if is_slot:
                 old = p_def.flatten_up_to(state.slots[name])
                 new = p_def.flatten_up_to(part)
-                new = [n if n is None or v is None else cast_like(n, v) for n, v in zip(new, v_leaves, strict=True)]
-                made = [
-                    o if o is None or n is None or i in skipped else o._with_value(n) if isinstance(o, Variable) else n
-                    for i, (o, n) in enumerate(zip(old, new, strict=True))
-                ]
+                made = [o if o is None or n is None or i in skipped else with_value(o, cast_like(n, v_leaves[i]))
+                        for i, (o, n) in enumerate(zip(old, new, strict=True))]
                 slots[name] = p_def.unflatten([made[i] for i in owners])
             else:
                 non_slots[name] = state.non_slots[name]._with_value(part)
@@ -209,6 +204,19 @@ def from_optax(tx: Any, name: str = "optax") -> Optimizer:
     (``0_count``). None gradients leave their variable and its slots
     untouched (TF's rule; optax itself sees a zero gradient);
     `IndexedSlices` are densified; non-trainable Variables get no state.
+
+    Args:
+        tx: the optax ``GradientTransformation`` (already built with its
+            hyperparameters: ``optax.adam(1e-3)``, not ``optax.adam``).
+        name: a label for the optimizer, kept in its config (and repr); the
+            state's variable names do not use it.
+
+    Returns:
+        An `Optimizer` whose `Optimizer.update` runs ``tx.update``.
+
+    Raises:
+        TypeError: `tx` is a varstate Optimizer already, a function that makes
+            a transformation (not called), or has no ``init``/``update``.
 
     >>> import jax.numpy as jnp, optax, varstate
     >>> from varstate.optimizers import from_optax

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
+from varstate.optimizers._core._rows import as_dtype, update_rows
 from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _one_element_rows
 
 
@@ -25,6 +25,18 @@ class ProximalAdagrad(Optimizer):
     TF's kernels refuse ``learning_rate <= 0`` and negative strengths when they
     run (InvalidArgumentError); here a float value is refused at construction
     (ValueError). A callable learning rate is not checked.
+
+    Args:
+        learning_rate: the step size (positive when a float); a float or a
+            callable ``f(step)`` (then pass ``step=`` to each update).
+        initial_accumulator_value: the accumulator's starting value (positive).
+        l1_regularization_strength: the L1 strength (non-negative; 0 turns off
+            the shrinkage).
+        l2_regularization_strength: the L2 strength (non-negative).
+
+    Raises:
+        ValueError: a value out of the ranges above.
+        TypeError: an accumulator value or strength that is not a float.
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import ProximalAdagrad
@@ -54,23 +66,19 @@ class ProximalAdagrad(Optimizer):
     def _slot_inits(self):
         return {"accumulator": self.initial_accumulator_value}
 
-    def _step(self, h, grad, var, accum, wide):
+    def _dense(self, h, grad, var, slots, non_slots, wide=False):
+        # `wide`: rows of one element, for which TF's sparse kernel runs its scalar loop.
         dtype = var.dtype
         lr = as_dtype(h["learning_rate"], dtype)
         l1, l2 = as_dtype(self.l1_regularization_strength, dtype), as_dtype(self.l2_regularization_strength, dtype)
-        accum = accum + grad * grad
+        accum = slots["accumulator"] + grad * grad
         if wide:  # TF's scalar loop divides by sqrt
             lr_t = lr / jnp.sqrt(accum)
         else:  # TF says lr * rsqrt(accum); its correctly rounded form is 1 / sqrt (see Adagrad)
             lr_t = lr * (1 / jnp.sqrt(accum))
         shrink = bool(np.float32(self.l1_regularization_strength) > 0)
-        return _fobos(var - grad * lr_t, lr_t * l1, l2 * lr_t, shrink, wide), accum
-
-    def _dense(self, h, grad, var, slots, non_slots):
-        var, accum = self._step(h, grad, var, slots["accumulator"], wide=False)
-        return var, {"accumulator": accum}
+        return _fobos(var - grad * lr_t, lr_t * l1, l2 * lr_t, shrink, wide), {"accumulator": accum}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
-        old = gather_rows(slots["accumulator"], indices)
-        rows, accum = self._step(h, values, gather_rows(var, indices), old, wide=_one_element_rows(var))
-        return set_rows(var, indices, rows), {"accumulator": set_rows(slots["accumulator"], indices, accum)}
+        wide = _one_element_rows(var)
+        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots, wide), values, indices, var, slots)

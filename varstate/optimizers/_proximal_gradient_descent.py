@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, gather_rows, set_rows
+from varstate.optimizers._core._rows import as_dtype, update_rows
 from varstate.optimizers._proximal_math import _float_options, _fobos, _one_element_rows
 
 
@@ -21,6 +21,16 @@ class ProximalGradientDescent(Optimizer):
     ``var = prox / (1 + l2 * lr)``. Like TF it checks neither strength: a
     negative ``l1`` fails ``l1 > 0`` and is ignored. Sparse gradients update
     only their rows (duplicate indices summed first).
+
+    Args:
+        learning_rate: the step size; a float or a callable ``f(step)``
+            (then pass ``step=`` to each update).
+        l1_regularization_strength: the L1 strength (a float; only a positive
+            one shrinks).
+        l2_regularization_strength: the L2 strength (a float).
+
+    Raises:
+        TypeError: a strength that is not a float.
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import ProximalGradientDescent
@@ -41,19 +51,15 @@ class ProximalGradientDescent(Optimizer):
         super().__post_init__()
         _float_options(self, "l1_regularization_strength", "l2_regularization_strength")
 
-    def _scalars(self, h, dtype):
+    def _dense(self, h, grad, var, slots, non_slots, wide=False):
+        # `wide`: rows of one element, for which TF's sparse kernel runs its scalar loop.
+        dtype = var.dtype
         lr = as_dtype(h["learning_rate"], dtype)
-        return lr, as_dtype(self.l1_regularization_strength, dtype), as_dtype(self.l2_regularization_strength, dtype)
-
-    def _step(self, h, grad, var, wide):
-        lr, l1, l2 = self._scalars(h, var.dtype)
+        l1, l2 = as_dtype(self.l1_regularization_strength, dtype), as_dtype(self.l2_regularization_strength, dtype)
         shrink = bool(np.float32(self.l1_regularization_strength) > 0)
-        return _fobos(var - grad * lr, lr * l1, l2 * lr, shrink, wide)
-
-    def _dense(self, h, grad, var, slots, non_slots):
-        return self._step(h, grad, var, wide=False), slots
+        return _fobos(var - grad * lr, lr * l1, l2 * lr, shrink, wide), slots
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
-        rows = self._step(h, values, gather_rows(var, indices), wide=_one_element_rows(var))
-        return set_rows(var, indices, rows), slots
+        wide = _one_element_rows(var)
+        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots, wide), values, indices, var, slots)
 

@@ -20,6 +20,19 @@ class RMSProp(Optimizer):
     Centered: ``mg += (grad - mg) * (1 - decay)`` and the denominator is
     ``sqrt(rms - mg**2 + epsilon)``.
 
+    Args:
+        learning_rate: the step size; a float or a callable ``f(step)``
+            (then pass ``step=`` to each update).
+        decay: the decay of ``rms`` (and ``mg``); a float or a callable.
+        momentum: the decay of the ``momentum`` slot; a float or a callable.
+        epsilon: added inside the square root; a float or a callable.
+        centered: subtract the squared mean gradient (slot ``mg``) in the
+            denominator.
+
+    Raises:
+        TypeError: a hyperparameter that is neither a float nor a callable of the
+            step, or an unknown keyword (the message names the closest).
+
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import RMSProp
     >>> w = varstate.Variable(jnp.zeros(2), name="w")

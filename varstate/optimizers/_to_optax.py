@@ -12,7 +12,7 @@ import numpy as np
 from varstate._jax_compat import Tracer
 from varstate._registry import Registry
 from varstate._variable import Variable, owning_variable
-from varstate.optimizers._core._matching import array_of, is_var
+from varstate.optimizers._core._matching import array_of, is_var, with_value
 from varstate.optimizers._core._state import OptimizerState
 
 if TYPE_CHECKING:
@@ -32,12 +32,6 @@ class TFOptimizerState(NamedTuple):
     count: Any
     slots: dict[str, Any]
     non_slots: dict[str, Any]
-
-
-def _leaves(params: Any) -> tuple[list, Any]:
-    """The param leaves as plain arrays (a varstate Variable by its value), and their treedef."""
-    leaves, treedef = jax.tree.flatten(params, is_leaf=is_var)
-    return [array_of(x) for x in leaves], treedef
 
 
 def _initial(opt: Optimizer, leaves: list) -> tuple[dict[str, list], dict[str, Any]]:
@@ -134,8 +128,8 @@ def to_optax(opt: Optimizer) -> Any:
         return held[key]._with_value(value)
 
     def init(params: Any) -> TFOptimizerState:
-        leaves, treedef = _leaves(params)
-        slots, non_slots = _initial(opt, leaves)
+        leaves, treedef = jax.tree.flatten(params, is_leaf=is_var)
+        slots, non_slots = _initial(opt, [array_of(x) for x in leaves])
         return TFOptimizerState(
             count=jnp.zeros((), jnp.int32),
             slots={name: treedef.unflatten(made) for name, made in slots.items()},
@@ -156,10 +150,7 @@ def to_optax(opt: Optimizer) -> Any:
             non_slots={name: stand_in(name, value) for name, value in state.non_slots.items()},
         )
         new, new_state = opt.update(grads, old, given, state.count, **extra_args)
-        deltas = [
-            p._with_value(n - o) if isinstance(p, Variable) else n - o
-            for p, n, o in zip(p_vars, new, old, strict=True)
-        ]
+        deltas = [with_value(p, n - o) for p, n, o in zip(p_vars, new, old, strict=True)]
         out = TFOptimizerState(
             count=state.count + 1,
             slots={name: treedef.unflatten([array_of(s) for s in made]) for name, made in new_state.slots.items()},

@@ -29,8 +29,8 @@ from varstate.optimizers._core._matching import (
     flatten_grads,
     gradients_by_owner,
     is_var,
-    key_name,
     owner_positions,
+    with_value,
 )
 from varstate.optimizers._core._messages import checked_new
 from varstate.optimizers._core._rows import _dedupe
@@ -156,21 +156,15 @@ class Optimizer:
         non-slots, and creates the missing ones with their initial values, as
         TF's optimizers create a slot only where none exists. `apply_gradients`
         does this itself when params arrive without state (a re-created model);
-        a caller of `update` under its own jit calls it first. A kept slot whose
-        shape or dtype does not fit its param is a ValueError naming both.
+        a caller of `update` under its own jit calls it first.
 
-        `stepped` says which params have been stepped, as TF creates a slot
-        only for a variable that gets a gradient: a pytree of bools with the
-        structure of params (or a prefix of it: one bool for a subtree), or a
-        callable of a param's path (its keys joined by ``/``, e.g.
-        ``"dense/kernel"``) returning a bool. A param marked False gets no slots
-        (None in ``state.slots``) until a step gives it a gradient; then
-        `apply_gradients` creates them with their initial values, as TF does.
-        So a TF checkpoint in which some variables never got a gradient
-        restores into ``opt.init(params, stepped=...)`` with every slot
-        matched. Default: every trainable param.
+        A param marked not stepped gets no slots (None in ``state.slots``)
+        until a step gives it a gradient; then `apply_gradients` creates them
+        with their initial values, as TF does. So a TF checkpoint in which
+        some variables never got a gradient restores into
+        ``opt.init(params, stepped=...)`` with every slot matched.
 
-        `fused=True` packs the slots of small params (up to 4,096 elements,
+        A fused state packs the slots of small params (up to 4,096 elements,
         trainable, on one device or replicated) into one buffer per dtype and
         sharding, and each step updates a buffer with one computation: for
         many small tensors that is several times faster
@@ -178,7 +172,30 @@ class Optimizer:
         (within one ulp of each array's largest element per step: XLA may
         vectorise the two loops differently). Everything else still sees
         per-variable slots (``state.slots``, `get_slot`, checkpoint keys,
-        restore). Default: the given state's layout, else unfused.
+        restore).
+
+        Args:
+            params: a pytree whose leaves are Variables or plain arrays.
+            state: an existing state whose slots (found by the primary's
+                identity; a plain-array param's by position) and non-slots
+                are kept; None creates everything.
+            stepped: which params have been stepped, as TF creates a slot only
+                for a variable that gets a gradient: a pytree of bools with the
+                structure of params (or a prefix of it: one bool for a
+                subtree), or a callable of a param's path (its keys joined by
+                ``/``, e.g. ``"dense/kernel"``) returning a bool. None: every
+                trainable param.
+            fused: True packs slots as described above; None keeps the given
+                state's layout, else unfused.
+
+        Returns:
+            The `OptimizerState`, with slots named ``<primary name>/<slot>``, linked
+            to their primary, with its dtype and sharding.
+
+        Raises:
+            ValueError: a kept slot's shape or dtype does not fit its param
+                (naming both), or a param is uninitialized.
+            TypeError: a `stepped` leaf is not a bool.
 
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Momentum
@@ -233,6 +250,16 @@ class Optimizer:
     def hyperparameters(self, step: Any = None) -> dict[str, Any]:
         """Hyperparameter values at `step` (callables are called with it).
 
+        Args:
+            step: the step a callable hyperparameter is called with; None when
+                none is callable.
+
+        Returns:
+            ``{hyperparameter name: value}``.
+
+        Raises:
+            TypeError: a hyperparameter is callable and `step` is None.
+
         >>> from varstate.optimizers import GradientDescent
         >>> GradientDescent(lambda step: 0.1 / (1 + step)).hyperparameters(step=1)["learning_rate"]
         0.05
@@ -255,9 +282,27 @@ class Optimizer:
     ) -> tuple[Any, OptimizerState]:
         """One pure step (no jit, no donation): returns new params and state.
 
-        `extra_args` are for optimizers whose step needs more inputs (an optax
-        transform's ``value=``); the built-in TF optimizers take none and raise
-        a TypeError naming the argument.
+        Use it inside your own ``jax.jit``; slots must exist already (`init`).
+
+        Args:
+            grads: the gradients, with params' structure; a leaf is an array,
+                a Variable, an `IndexedSlices` or None (that param is skipped).
+            params: a pytree whose leaves are Variables or plain arrays.
+            state: the `OptimizerState` made by `init` for these params.
+            step: the step for hyperparameters that are callables of it (a
+                Variable is read); None if none is.
+            **extra_args: for optimizers whose step needs more inputs (an
+                optax transformation's ``value=``).
+
+        Returns:
+            ``(params, state)``, new versions with the given identities.
+
+        Raises:
+            TypeError: extra arguments to an optimizer that takes none (the
+                built-in TF optimizers), naming the first; a callable
+                hyperparameter without `step`.
+            ValueError: `state` lacks slots or non-slots for these params
+                (`init` them first; `apply_gradients` does).
 
         >>> import jax, jax.numpy as jnp
         >>> from varstate.optimizers import GradientDescent
@@ -273,17 +318,12 @@ class Optimizer:
         owners = owner_positions(p_leaves)
         slot_names = list(self._slot_inits())
         work = gradients_by_owner(p_leaves, g_leaves, paths, owners)
-        held: dict[str, list] = {}
 
-        def want(i, n):  # every trainable param has its slots (init's rule), except one never stepped
+        def want(i, n, slot):  # every trainable param has its slots (init's rule), except one never stepped
             p = p_leaves[i]
-            if isinstance(p, Variable) and not p.trainable:
+            # Without a gradient now, a param without slots (init's stepped=False) keeps none.
+            if (isinstance(p, Variable) and not p.trainable) or (i not in work and slot is None):
                 return None
-            if i not in work:  # no gradient now: a param without slots (init's stepped=False) keeps none
-                if n not in held:
-                    held[n] = p_def.flatten_up_to(state.slots[n])  # check_slots has checked the structure
-                if held[n][i] is None:
-                    return None
             return param_want(p)
 
         slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
@@ -305,9 +345,9 @@ class Optimizer:
                 var, slots = self._sparse(h, values, indices, var, slots, non_slots)
             else:
                 var, slots = self._dense(h, g, var, slots, non_slots)
-            new_p[i] = _with_value(p, cast_like(var, array_of(p)))
+            new_p[i] = with_value(p, cast_like(var, array_of(p)))
             for n in slot_names:
-                new_slots[n][i] = _with_value(slot_leaves[n][i], cast_like(slots[n], array_of(p)))
+                new_slots[n][i] = with_value(slot_leaves[n][i], cast_like(slots[n], array_of(p)))
         for j, i in enumerate(owners):
             if i != j and i in work:
                 new_p[j] = new_p[i]
@@ -348,6 +388,23 @@ class Optimizer:
         optimizers create missing slots. Reading a version given to a step
         raises `varstate.DonatedVariableError`: use the returned ones.
 
+        Args:
+            grads: the gradients, as for `update`.
+            params: the params pytree; donated.
+            state: the `OptimizerState`; donated. One made for other params is
+                completed with `init` first.
+            step: the step for callable hyperparameters (default: the global
+                step's value when `global_step` is given).
+            global_step: the global step Variable to increment, or None.
+            **extra_args: passed to `update` as traced arguments.
+
+        Returns:
+            ``(params, state)``, or ``(params, state, global_step)`` with
+            `global_step`.
+
+        Raises:
+            TypeError: as `update`.
+
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Adam
         >>> w = varstate.Variable(jnp.zeros(3), name="w")
@@ -381,7 +438,13 @@ class Optimizer:
         )
 
     def to_optax(self) -> Any:
-        """This optimizer as an optax ``GradientTransformationExtraArgs`` with TF's numerics (`to_optax`).
+        """This optimizer as an optax ``GradientTransformationExtraArgs`` with TF's numerics.
+
+        Its state is a pytree of arrays (no Variables); its ``update`` takes
+        ``step=`` where a hyperparameter is a callable of the step.
+
+        Returns:
+            The optax transformation.
 
         >>> import jax.numpy as jnp, optax
         >>> from varstate.optimizers import GradientDescent
@@ -396,14 +459,9 @@ class Optimizer:
         return to_optax(self)
 
 
-def _with_value(x: Any, value: Any) -> Any:
-    """A new version of the Variable `x` holding `value`; a plain-array param or slot is the value itself."""
-    return x._with_value(value) if isinstance(x, Variable) else value
-
-
 def _path_name(path: tuple) -> str:
     """A param's key path as ``stepped=``'s callable sees it: its keys joined by ``/`` (``dense/kernel``)."""
-    return "/".join(map(key_name, path))
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _stepped_mask(stepped: Any, params: Any, paths: list, owners: list[int]) -> list[bool]:
@@ -424,11 +482,8 @@ def _stepped_mask(stepped: Any, params: Any, paths: list, owners: list[int]) -> 
                 f"of it), or a callable of a param's path; got {type(stepped).__name__} with structure {m_def}, "
                 f"params have {jax.tree_util.tree_structure(params, is_leaf=is_var)}."
             ) from None
-        flags, where = [], []
-        for m, sub in zip(m_leaves, subtrees, strict=True):
-            n = len(jax.tree_util.tree_leaves(sub, is_leaf=is_var))
-            flags += [m] * n
-            where += [f"stepped{jax.tree_util.keystr(path)}" for path in paths[len(where):len(where) + n]]
+        flags = [m for m, sub in zip(m_leaves, subtrees, strict=True) for _ in jax.tree.leaves(sub, is_leaf=is_var)]
+        where = [f"stepped{jax.tree_util.keystr(path)}" for path in paths]
     for f, w in zip(flags, where, strict=True):
         if not isinstance(f, (bool, np.bool_)):
             raise TypeError(f"Optimizer.init: {w} must be a bool (True: the param has been stepped), "

@@ -30,12 +30,9 @@ def array_of(p: Any) -> Any:
     return p._value if isinstance(p, Variable) else p
 
 
-def key_name(k: Any) -> str:
-    """One key of a key path as a plain name: a dict key, an index, an attribute's name."""
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+def with_value(x: Any, value: Any) -> Any:
+    """A new version of the Variable `x` holding `value`; a plain-array param or slot is the value itself."""
+    return x._with_value(value) if isinstance(x, Variable) else value
 
 
 def path_label(path: tuple, p: Any) -> str:

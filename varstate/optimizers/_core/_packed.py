@@ -33,7 +33,14 @@ import numpy as np
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import Tracer
 from varstate._variable import Variable
-from varstate.optimizers._core._matching import array_of, cast_like, flatten_grads, gradients_by_owner, owner_positions
+from varstate.optimizers._core._matching import (
+    array_of,
+    cast_like,
+    flatten_grads,
+    gradients_by_owner,
+    owner_positions,
+    with_value,
+)
 
 # Largest param (in elements) whose slots are packed. Above it a tensor's own kernels are already long enough
 # that launch overhead is small, and packing would add a copy of its gradient and value per step
@@ -169,8 +176,8 @@ def pack(slots: dict[str, Any], names: list[str], p_leaves: list, p_def: Any, ow
                 s = leaves[i]
                 value = array_of(s)
                 parts.append(value)
-                leaves[i] = PackedSlot(g, offset, value.shape, s._with_value(_spec(value)) if isinstance(s, Variable)
-                                       else None)
+                spec = jax.ShapeDtypeStruct(value.shape, value.dtype)  # the slot Variable's own value is unused
+                leaves[i] = PackedSlot(g, offset, value.shape, s._with_value(spec) if isinstance(s, Variable) else None)
                 offset += value.size
             buffers.append(_concat(parts, parts[0]))
         for j, i in enumerate(owners):
@@ -192,10 +199,6 @@ def _concat(parts: list, like: jax.Array) -> jax.Array:
         return joined if isinstance(like, Tracer) else jax.device_put(joined, like.sharding)
     host = np.concatenate([np.asarray(p).reshape(-1) for p in parts])
     return jax.device_put(host, like.sharding) if like.committed else jnp.asarray(host)
-
-
-def _spec(value: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(value.shape, value.dtype)
 
 
 def views(stored: dict[str, Any], packed: dict[str, tuple]) -> dict[str, Any]:
@@ -299,7 +302,7 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
             buffers[k][g] = new.astype(buffers[k][g].dtype)
         for (i, m), d in zip(members, dense, strict=True):
             if d:
-                new_p[i] = _with_value(p_leaves[i], cast_like(m.of(new_v[n + j]), array_of(p_leaves[i])))
+                new_p[i] = with_value(p_leaves[i], cast_like(m.of(new_v[n + j]), array_of(p_leaves[i])))
     for i, m in enumerate(marks):
         if isinstance(m, PackedSlot) and v_params[i] is not None:  # a sparse step: into its slices
             new_p[i] = new_v[i]
@@ -312,7 +315,3 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
             new_p[j] = new_p[i]  # a tied weight's one version, at every place
     slots = {**state._stored, **{k: PackedTree.build(p_def, new_stored[k], state._stored[k].layout) for k in names}}
     return p_def.unflatten(new_p), type(state)(slots, new_state.non_slots, {k: tuple(b) for k, b in buffers.items()})
-
-
-def _with_value(x: Any, value: Any) -> Any:
-    return x._with_value(value) if isinstance(x, Variable) else value

@@ -7,6 +7,7 @@ row, which reads as zeros and whose writes are dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,6 +36,12 @@ def set_rows(x: Array, idx: Array, rows: Array) -> Array:
 def add_rows(x: Array, idx: Array, rows: Array) -> Array:
     """`x` with `rows` added at `idx` (duplicates accumulate); out-of-range rows are dropped."""
     return x.at[idx].add(rows, mode="drop", wrap_negative_indices=False)
+
+
+def update_rows(step: Callable, values: Array, indices: Array, var: Array, slots: dict) -> tuple[Array, dict]:
+    """A sparse update as the dense `step(grad, var, slots)` on rows `indices` of `var` and `slots`, written back."""
+    rows, new = step(values, gather_rows(var, indices), {k: gather_rows(s, indices) for k, s in slots.items()})
+    return set_rows(var, indices, rows), {k: set_rows(slots[k], indices, v) for k, v in new.items()}
 
 
 def divide(x: Array, d: Array) -> Array:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from varstate._registry import outside_name_scopes
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers._core._matching import array_of, is_var, path_label
+from varstate.optimizers._core._packed import is_slot_leaf
 
 
 def make_slot(primary: Variable, slot_name: str, value: Any, *, fresh: bool = False) -> Variable:
@@ -69,10 +70,6 @@ class StateMismatchError(ValueError):
     """
 
 
-def _slot_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, Variable)
-
-
 def fit_error(slot_name: str, slot: Any, label: str, want: tuple) -> str | None:
     """Why `slot` cannot be the slot `slot_name` of the param `label`, which needs `want` (shape, dtype); else None."""
     v = array_of(slot)
@@ -96,8 +93,8 @@ def param_want(p: Any) -> tuple:
 def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list, owners: list[int], want) -> dict:
     """{slot name: the slot leaves in params' order}, checked while the step is traced.
 
-    Each param at leaf `i` with `want(i, name)` not None (its slot's shape and
-    dtype) must have, in every slot tree, the slot linked to it (a Variable
+    Each param at leaf `i` with `want(i, name, slot found there)` not None (its
+    slot's shape and dtype) must have, in every slot tree, the slot linked to it (a Variable
     param) or an array (a plain-array param) of that shape and dtype;
     otherwise `StateMismatchError` (apply_gradients then creates what is missing,
     outside jit, and steps again).
@@ -122,10 +119,10 @@ def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list,
         if owners[i] != i:
             continue
         for n in names:
-            need = want(i, n)
+            s = out[n][i]
+            need = want(i, n, s)
             if need is None:
                 continue
-            s = out[n][i]
             label = path_label(paths[i], p)
             if isinstance(p, Variable):
                 if not isinstance(s, Variable) or s.handle.slot_of != p.resource_id:
@@ -166,7 +163,7 @@ class Existing:
         self.non_slots = dict(state.non_slots) if state is not None else {}
         for name in self.names:
             tree = state.slots[name]
-            for s in jax.tree.leaves(tree, is_leaf=_slot_leaf):
+            for s in jax.tree.leaves(tree, is_leaf=is_slot_leaf):
                 if isinstance(s, Variable) and s.handle.slot_of is not None:
                     self.by_rid.setdefault((name, s.handle.slot_of), s)
             try:

@@ -11,19 +11,22 @@ from varstate.optimizers._core import _packed
 
 
 class OptimizerState:
-    """An optimizer's variables, as a pytree.
+    """An optimizer's variables, as a pytree: what `Optimizer.init` returns and every step takes and returns.
 
-    slots:     {slot name: pytree with the params' structure}; a leaf is the
-               slot Variable of the param at the same position, or None where
-               the param has no slot (None gradient never seen, non-trainable).
-    non_slots: {name: Variable}, e.g. Adam's ``beta1_power`` (scalars).
-    packed:    {slot name: tuple of 1-D buffers}, one per (dtype, sharding),
-               when the state is fused (``opt.init(params, fused=True)``);
-               else empty. A fused state keeps the slots of many small
-               params in these buffers and updates each buffer with one
-               computation; ``slots`` still shows every slot as a Variable (a
-               view of its slice), so `get_slot`, checkpoints and restore see
-               per-variable slots with TF's names and keys.
+    Immutable (`replace` makes a changed copy). A fused state keeps the slots of
+    many small params in a few packed buffers and updates each buffer with one
+    computation; `slots` still shows every slot as a Variable (a view of its
+    slice), so `get_slot`, checkpoints and restore see per-variable slots with
+    TF's names and keys.
+
+    Args:
+        slots: ``{slot name: pytree with the params' structure}``; a leaf is the
+            slot Variable of the param at the same position, or None where the
+            param has no slot (None gradient never seen, non-trainable).
+        non_slots: ``{name: Variable}``, e.g. Adam's ``beta1_power`` (scalars).
+        packed: ``{slot name: tuple of 1-D buffers}``, one buffer per (dtype,
+            sharding), when the state is fused (``opt.init(params, fused=True)``);
+            None or empty otherwise.
 
     Checkpoints record slots against their primary's node (`slot_variables`)
     and non-slots as children of the optimizer's node, as TF does.
@@ -63,7 +66,10 @@ class OptimizerState:
 
     @property
     def slots(self) -> dict[str, Any]:
-        """{slot name: tree of slot Variables}; a fused state's are views of its buffers (made once, on first use)."""
+        """The slot Variables by slot name, each a tree with the params' structure.
+
+        A fused state's are views of its packed buffers (made once, on first use).
+        """
         if not self.packed:
             return self._stored
         if self._views is None:
@@ -78,6 +84,15 @@ class OptimizerState:
     def replace(self, *, slots: dict[str, Any] | None = None, non_slots: dict[str, Variable] | None = None,
                 ) -> OptimizerState:
         """A new state with these `slots` and/or `non_slots`; a fused state packs the given slots into its layout.
+
+        Args:
+            slots: ``{slot name: tree}`` replacing those of the same names;
+                None keeps the slots.
+            non_slots: ``{name: Variable}`` replacing all non-slots; None
+                keeps them.
+
+        Returns:
+            The new `OptimizerState` (this one is unchanged).
 
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Momentum
@@ -96,11 +111,27 @@ class OptimizerState:
         return OptimizerState(stored, non_slots, packed)
 
     def get_slot_names(self) -> list[str]:
-        """Slot names, sorted (TF's `get_slot_names`)."""
+        """Slot names, sorted (TF's `get_slot_names`).
+
+        Returns:
+            A list of str.
+        """
         return sorted(self._stored)
 
     def get_slot(self, var: Variable, name: str) -> Variable | None:
-        """The slot `name` of primary `var` (matched by resource id), or None (as TF)."""
+        """The slot `name` of primary `var`, matched by resource id (TF's `get_slot`).
+
+        Args:
+            var: the primary Variable (any version of it).
+            name: the slot's name (``"m"``, ``"momentum"``...).
+
+        Returns:
+            The slot Variable, or None when there is no such slot (as TF).
+
+        Raises:
+            TypeError: `var` is not a Variable (a plain-array param's slot is
+                at the param's position in ``state.slots[name]``).
+        """
         tree = self.slots.get(name)
         if tree is None:
             return None
@@ -113,7 +144,17 @@ class OptimizerState:
                      if isinstance(s, Variable) and s.handle.slot_of == var.resource_id), None)
 
     def non_slot(self, name: str) -> Variable:
-        """The non-slot variable `name` (KeyError naming the known ones)."""
+        """The non-slot variable `name` (Adam's ``beta1_power``, Keras's ``iteration``...).
+
+        Args:
+            name: the non-slot's name.
+
+        Returns:
+            The Variable.
+
+        Raises:
+            KeyError: no non-slot has that name (the message lists them).
+        """
         try:
             return self.non_slots[name]
         except KeyError:
@@ -123,18 +164,9 @@ class OptimizerState:
 
 
 _KEYS = (jax.tree_util.GetAttrKey("slots"), jax.tree_util.GetAttrKey("non_slots"), jax.tree_util.GetAttrKey("packed"))
-
-
-def _flatten_with_keys(s: OptimizerState) -> tuple:
-    return tuple(zip(_KEYS, (s._stored, s.non_slots, s.packed), strict=True)), None
-
-
-def _unflatten(_: Any, children: Any) -> OptimizerState:
-    slots, non_slots, packed = children
-    return OptimizerState(slots, non_slots, packed)
-
-
 jax.tree_util.register_pytree_with_keys(
-    OptimizerState, _flatten_with_keys, _unflatten,
+    OptimizerState,
+    lambda s: (tuple(zip(_KEYS, (s._stored, s.non_slots, s.packed), strict=True)), None),
+    lambda _, children: OptimizerState(*children),
     lambda s: ((s._stored, s.non_slots, s.packed), None),
 )

@@ -29,10 +29,11 @@ Variables would trace again for every freshly built model. Here:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import operator
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -44,11 +45,13 @@ from varstate._variable import Variable, donated_error
 from varstate.optimizers._core._matching import (
     _check_sparse_indices,
     _explicit_sharding,
+    _is_leaf,
     _validate_grads,
     array_of,
     first_difference,
     is_var,
     owner_positions,
+    with_value,
 )
 from varstate.optimizers._core._packed import PackedSlot, PackedTree, fused_update
 from varstate.optimizers._core._slots import StateMismatchError
@@ -80,14 +83,14 @@ class _Static:
         return self is other or (isinstance(other, _Static) and self._hash == other._hash and self.value == other.value)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Plan:
     """What the host needs to run one (optimizer, structure): the jit key, the param count, the last shardings."""
 
-    __slots__ = ("key", "n_params", "shardings", "sparse")
-
-    def __init__(self, key: _Static, n_params: int, sparse: bool) -> None:
-        self.key, self.n_params, self.sparse = key, n_params, sparse
-        self.shardings: tuple = ()
+    key: _Static
+    n_params: int
+    sparse: bool
+    shardings: tuple = ()
 
 
 # The step's two caches, both for the host's time per step. _PLANS: a structure's plan by its treedefs, one dict
@@ -128,25 +131,12 @@ def _new_plan(opt: Any, grads: Any, params: Any, state: Any, global_step: Any, o
         return None
 
     sig = (sig_def, tuple(map(describe, leaves)))
-    sparse = any(isinstance(g, IndexedSlices) for g in jax.tree.leaves(grads, is_leaf=_is_sparse))
+    sparse = any(isinstance(g, IndexedSlices) for g in jax.tree.leaves(grads, is_leaf=_is_leaf))
     return _Plan(_intern(_Static(opt, sig, None, use_global)), len(jax.tree.leaves(params)), sparse)
 
 
 def _is_var_or_packed(x: Any) -> bool:
     return isinstance(x, (Variable, PackedTree))
-
-
-def _is_sparse(x: Any) -> bool:
-    return isinstance(x, IndexedSlices)
-
-
-def _check_global_step(global_step: Any) -> None:
-    if not isinstance(global_step, Variable):
-        raise TypeError(
-            f"apply_gradients: global_step must be the global step Variable "
-            f"(varstate.get_or_create_global_step()), got {type(global_step).__name__} {global_step!r:.60}."
-        )
-    assert_global_step(global_step)
 
 
 def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step: Any, global_step: Any = None,
@@ -156,7 +146,12 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
     Returns ``(params, state)``, or ``(params, state, global_step)`` when `global_step` is given (incremented).
     """
     if global_step is not None:
-        _check_global_step(global_step)
+        if not isinstance(global_step, Variable):
+            raise TypeError(
+                f"apply_gradients: global_step must be the global step Variable "
+                f"(varstate.get_or_create_global_step()), got {type(global_step).__name__} {global_step!r:.60}."
+            )
+        assert_global_step(global_step)
     use_global = global_step is not None and (
         step is None or (isinstance(step, Variable) and step._handle is global_step._handle))
     other = (None if use_global else step, extra or {})
@@ -339,15 +334,13 @@ def _commit(leaves: list) -> list:
 
 
 # --- placement ---------------------------------------------------------------------------------------------------
-def _sharding(x: Any) -> Any:
-    return x.sharding if type(x) is ArrayImpl else None  # not a tracer (a step inside a caller's jit)
-
-
 def _place(plan: _Plan, leaves: list, state: OptimizerState) -> bool:
     """Keys `plan` by the shardings of the param values `leaves` and of the non-slots; True if a param's value is
     uncommitted (made outside jit). Called in processes with several devices only."""
+    # Concrete arrays only: a tracer (a step inside a caller's jit) has no sharding to key by.
+    values = [v._value if isinstance(v, Variable) else None for v in state.non_slots.values()]
     shardings = tuple([x.sharding if type(x) is ArrayImpl else None for x in leaves])
-    non_slots = tuple([_sharding(v._value) if isinstance(v, Variable) else None for v in state.non_slots.values()])
+    non_slots = tuple([x.sharding if type(x) is ArrayImpl else None for x in values])
     opt, sig, last, use_global = plan.key.value
     # The previous step's outputs carry the very sharding objects of its executable: committed, same key (no
     # hash or comparison of a long tuple).
@@ -360,35 +353,32 @@ def _place(plan: _Plan, leaves: list, state: OptimizerState) -> bool:
     return not all([x.committed for x in leaves if type(x) is ArrayImpl])
 
 
-def _target(value: Any, concrete: Any) -> tuple[str, Any] | None:
+def _target(value: Any, concrete: Any) -> Callable[[Any], Any] | None:
     """How to keep a traced output on `value`'s sharding: from its type (Explicit axes) or the concrete one."""
     typed = _explicit_sharding(value)
     if typed is not None:
-        return "reshard", typed
+        return lambda x: jax.sharding.reshard(x, typed)
     if isinstance(concrete, jax.sharding.Sharding) and len(concrete.device_set) > 1:
-        return "constrain", concrete
+        return lambda x: jax.lax.with_sharding_constraint(x, concrete)
     return None
 
 
-def _pin(x: Any, target: tuple[str, Any] | None, shape: tuple) -> Any:
+def _pin(x: Any, target: Callable[[Any], Any] | None, shape: tuple) -> Any:
     if target is None or x is None or isinstance(x, PackedSlot):  # packed: one device only, nothing to pin
         return x
     value = array_of(x)
-    if tuple(value.shape) != shape:
-        return x
-    how, sharding = target
-    if how == "reshard":
-        value = jax.sharding.reshard(value, sharding)
-    else:
-        value = jax.lax.with_sharding_constraint(value, sharding)
-    return x._with_value(value) if isinstance(x, Variable) else value
+    return with_value(x, target(value)) if tuple(value.shape) == shape else x
+
+
+def _concrete(placement: Any, part: int, n: int) -> Any:
+    """The concrete shardings `placement[part]` of `n` values; Nones without placement or for another layout."""
+    return placement[part] if placement is not None and len(placement[part]) == n else [None] * n
 
 
 def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: OptimizerState, placement: Any):
     """New params and slots on their params' shardings, non-slots on their own (traced)."""
     p_leaves, p_def = jax.tree.flatten(params, is_leaf=is_var)
-    fits = placement is not None and len(placement[0]) == len(p_leaves)
-    shardings = placement[0] if fits else [None] * len(p_leaves)
+    shardings = _concrete(placement, 0, len(p_leaves))
     targets = [(_target(array_of(p), c), tuple(array_of(p).shape)) for p, c in zip(p_leaves, shardings, strict=True)]
 
     def pinned(leaves: list) -> list:
@@ -407,10 +397,8 @@ def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: Opti
             except (ValueError, TypeError):
                 pass  # not laid out like params (another optimizer's): left as it is
     given = state.non_slots
-    fits = placement is not None and len(placement[1]) == len(given)
-    ns_shardings = placement[1] if fits else [None] * len(given)
     ns_targets = {name: (_target(v._value, c), tuple(v.shape))
-                  for (name, v), c in zip(given.items(), ns_shardings, strict=True)}
+                  for (name, v), c in zip(given.items(), _concrete(placement, 1, len(given)), strict=True)}
     non_slots = {name: _pin(v, *ns_targets[name]) if name in ns_targets else v
                  for name, v in new_state.non_slots.items()}
     return new_params, OptimizerState(slots, non_slots, new_state.packed)

@@ -1,4 +1,8 @@
-"""Keras 3's Adam family: `Adam` (with AMSGrad), `AdamW`, `Adamax`, `Nadam`, in Keras's order of operations."""
+"""Keras 3's Adam family: `Adam` (with AMSGrad), `AdamW`, `Adamax`, `Nadam`, in Keras's order of operations.
+
+Keras's ``ops.power`` of the scalars here (``beta_1 ** t`` ...) is a scalar ``powf`` in TF and in XLA
+alike: ``jnp.power`` rounds as Keras does.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from varstate.optimizers._core._rows import divide
-from varstate.optimizers.keras._base import KerasOptimizer, const, densify, keras_power, local_step
+from varstate.optimizers._core._rows import as_dtype, divide
+from varstate.optimizers.keras._base import KerasOptimizer, const, local_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +25,21 @@ class Adam(KerasOptimizer):
     place of ``v`` with AMSGrad). A sparse gradient's rows are summed into a
     dense gradient, and ``g**2`` is the sum of the rows' squares (Keras
     squares the rows before summing them).
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        beta_1: the decay of ``momentum``.
+        beta_2: the decay of ``velocity``.
+        epsilon: added to ``sqrt(v)`` (Keras's 1e-7).
+        amsgrad: use the running maximum ``velocity_hat`` of ``v`` (AMSGrad).
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import keras
@@ -42,28 +61,19 @@ class Adam(KerasOptimizer):
     def _slot_groups(self):
         return (("momentum", "velocity"), ("velocity_hat",)) if self.amsgrad else (("momentum", "velocity"),)
 
-    def _alpha(self, lr, non_slots, dtype):
-        t = local_step(non_slots, dtype)
-        b1p = keras_power(jnp.asarray(self.beta_1, jnp.float32).astype(dtype), t)
-        b2p = keras_power(jnp.asarray(self.beta_2, jnp.float32).astype(dtype), t)
-        return lr * jnp.sqrt(1 - b2p) / (1 - b1p)
-
-    def _apply(self, lr, grad, grad_sq, var, slots, non_slots):
+    def _step(self, lr, var, slots, non_slots, summed):
         dtype = var.dtype
-        alpha = self._alpha(lr, non_slots, dtype)
+        grad, grad_sq = summed(lambda g: g), summed(jnp.square)
+        t = local_step(non_slots, dtype)
+        b1p = jnp.power(as_dtype(self.beta_1, dtype), t)
+        b2p = jnp.power(as_dtype(self.beta_2, dtype), t)
+        alpha = lr * jnp.sqrt(1 - b2p) / (1 - b1p)
         m = slots["momentum"] + (grad - slots["momentum"]) * const(1 - self.beta_1, dtype)
         v = slots["velocity"] + (grad_sq - slots["velocity"]) * const(1 - self.beta_2, dtype)
         out = {"momentum": m, "velocity": v}
         if self.amsgrad:
             v = out["velocity_hat"] = jnp.maximum(slots["velocity_hat"], v)
         return var - (m * alpha) / (jnp.sqrt(v) + const(self.epsilon, dtype)), out
-
-    def _step_dense(self, lr, grad, var, slots, non_slots):
-        return self._apply(lr, grad, jnp.square(grad), var, slots, non_slots)
-
-    def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        grad, grad_sq = densify(values, indices, var.shape), densify(jnp.square(values), indices, var.shape)
-        return self._apply(lr, grad, grad_sq, var, slots, non_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +82,22 @@ class AdamW(Adam):
 
     Each step first decays the variable, ``var -= var * weight_decay * lr``,
     then takes Adam's step.
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: the decoupled weight decay (default 0.004, Keras's), ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it
+            off.
+        beta_1: as `Adam`'s.
+        beta_2: as `Adam`'s.
+        epsilon: as `Adam`'s.
+        amsgrad: as `Adam`'s.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
@@ -93,6 +119,20 @@ class Adamax(KerasOptimizer):
     ``var -= lr * m / ((1 - beta_1**t) * (u + epsilon))``. A sparse
     gradient's rows are summed (``|g|``: the sum of the rows' absolute values).
 
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        beta_1: the decay of ``momentum``.
+        beta_2: the decay of the infinity norm ``norm``.
+        epsilon: added to ``u``.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
+
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
     >>> opt = keras.Adamax(0.1)
@@ -111,20 +151,14 @@ class Adamax(KerasOptimizer):
     def _slot_groups(self):
         return (("momentum", "norm"),)
 
-    def _apply(self, lr, grad, grad_abs, var, slots, non_slots):
+    def _step(self, lr, var, slots, non_slots, summed):
         dtype = var.dtype
-        b1p = keras_power(jnp.asarray(self.beta_1, jnp.float32).astype(dtype), local_step(non_slots, dtype))
+        grad, grad_abs = summed(lambda g: g), summed(jnp.abs)
+        b1p = jnp.power(as_dtype(self.beta_1, dtype), local_step(non_slots, dtype))
         m = slots["momentum"] + (grad - slots["momentum"]) * const(1 - self.beta_1, dtype)
         u = jnp.maximum(const(self.beta_2, dtype) * slots["norm"], grad_abs)
         var = var - (lr * m) / ((1 - b1p) * (u + const(self.epsilon, dtype)))
         return var, {"momentum": m, "norm": u}
-
-    def _step_dense(self, lr, grad, var, slots, non_slots):
-        return self._apply(lr, grad, jnp.abs(grad), var, slots, non_slots)
-
-    def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        grad, grad_abs = densify(values, indices, var.shape), densify(jnp.abs(values), indices, var.shape)
-        return self._apply(lr, grad, grad_abs, var, slots, non_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +170,20 @@ class Nadam(KerasOptimizer):
     ``v += (g**2 - v) * (1 - beta_2)``,
     ``m_hat = u_{t+1} m / (1 - u_product u_{t+1}) + (1 - u_t) g / (1 - u_product)``,
     ``var -= m_hat * lr / (sqrt(v / (1 - beta_2**t)) + epsilon)``.
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        beta_1: the decay of ``momentum`` (and the schedule's base).
+        beta_2: the decay of ``velocity``.
+        epsilon: added to the denominator.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
@@ -161,38 +209,26 @@ class Nadam(KerasOptimizer):
     def _u_product(self, non_slots):
         """Keras's update of ``u_product``, made before the variables' steps (in float32, its dtype)."""
         u = non_slots["u_product"]
-        decay = keras_power(const(0.96, u.dtype), local_step(non_slots, u.dtype))
+        decay = jnp.power(const(0.96, u.dtype), local_step(non_slots, u.dtype))
         return u * const(self.beta_1, u.dtype) * (const(1.0, u.dtype) - const(0.5, u.dtype) * decay)
 
-    def _apply(self, lr, grad, grad_sq, sparse_term, var, slots, non_slots):
+    def _step(self, lr, var, slots, non_slots, summed):
         dtype = var.dtype
+        grad, grad_sq = summed(lambda g: g), summed(jnp.square)
         t, t1 = local_step(non_slots, dtype), local_step(non_slots, dtype, 2)
-        decay = jnp.asarray(0.96, jnp.float32).astype(dtype)
-        b1 = jnp.asarray(self.beta_1, jnp.float32).astype(dtype)
-        b2 = jnp.asarray(self.beta_2, jnp.float32).astype(dtype)
-        u_t = b1 * (1.0 - 0.5 * keras_power(decay, t))
-        u_t1 = b1 * (1.0 - 0.5 * keras_power(decay, t1))
+        decay, b1, b2 = (as_dtype(x, dtype) for x in (0.96, self.beta_1, self.beta_2))
+        u_t = b1 * (1.0 - 0.5 * jnp.power(decay, t))
+        u_t1 = b1 * (1.0 - 0.5 * jnp.power(decay, t1))
         u_prod = self._u_product(non_slots).astype(dtype)
         u_prod1 = u_prod * u_t1
-        b2p = keras_power(b2, t)
+        b2p = jnp.power(b2, t)
         m = slots["momentum"] + (grad - slots["momentum"]) * (1 - b1)
         v = slots["velocity"] + (grad_sq - slots["velocity"]) * (1 - b2)
-        if sparse_term is None:
-            g_term = divide((1 - u_t) * grad, 1 - u_prod)
-        else:  # Keras keeps (1 - u_t) * g / (1 - u_product) on the rows, then sums them into m_hat
-            values, indices = sparse_term
-            g_term = densify(divide((1 - u_t) * values, 1 - u_prod), indices, var.shape)
-        m_hat = divide(u_t1 * m, 1 - u_prod1) + g_term
+        # Keras keeps (1 - u_t) * g / (1 - u_product) on sparse rows, then sums them into m_hat.
+        m_hat = divide(u_t1 * m, 1 - u_prod1) + summed(lambda g: divide((1 - u_t) * g, 1 - u_prod))
         v_hat = divide(v, 1 - b2p)
         var = var - (m_hat * lr) / (jnp.sqrt(v_hat) + const(self.epsilon, dtype))
         return var, {"momentum": m, "velocity": v}
-
-    def _step_dense(self, lr, grad, var, slots, non_slots):
-        return self._apply(lr, grad, jnp.square(grad), None, var, slots, non_slots)
-
-    def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        grad, grad_sq = densify(values, indices, var.shape), densify(jnp.square(values), indices, var.shape)
-        return self._apply(lr, grad, grad_sq, (values, indices), var, slots, non_slots)
 
     def _finish(self, h, non_slots):
         return super()._finish(h, {**non_slots, "u_product": self._u_product(non_slots)})

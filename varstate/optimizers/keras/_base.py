@@ -32,6 +32,7 @@ from varstate._global_step import int64_counter
 from varstate._variable import Variable
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._matching import is_var
+from varstate.optimizers._core._rows import as_dtype
 from varstate.optimizers._core._slots import check_non_slots, filled_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
 
@@ -57,16 +58,27 @@ def scatter_sub(x: Array, indices: Array, rows: Array) -> Array:
 class KerasOptimizer(Optimizer):
     """Base of the Keras 3 optimizers: non-slots ``iteration`` (int64), ``learning_rate`` (float32, unless a schedule).
 
-    ``weight_decay`` (None: off) applies Keras's decoupled decay before each
-    variable's update: ``var -= var * weight_decay * learning_rate``.
-
     Subclass contract: ``_slot_groups`` (Keras's slot lists, each created
     interleaved over the variables), ``_extra_non_slots`` (float32 non-slots
     Keras creates after the slots), and ``_step_dense(lr, grad, var, slots,
     non_slots)`` / ``_step_sparse(lr, values, indices, var, slots,
     non_slots)`` on raw rows (duplicates included), where ``lr`` is the
     learning rate in the variable's dtype and ``non_slots["iteration"]``
-    counts the steps before this one.
+    counts the steps before this one. An optimizer whose sparse step is its
+    dense one on the summed rows defines ``_step(lr, var, slots, non_slots,
+    summed)`` instead, where ``summed(f)`` is ``f`` of the gradient (for
+    sparse rows: ``f`` of each row, the results summed into a dense tensor).
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import keras
@@ -106,6 +118,10 @@ class KerasOptimizer(Optimizer):
         schedule), then each slot group for every variable in turn (the names
         of a group interleaved per variable), then trailing non-slots.
 
+        Returns:
+            ``(leading non-slot names, slot groups (tuples of slot names),
+            trailing non-slot names)``.
+
         >>> from varstate.optimizers import keras
         >>> keras.Adam(amsgrad=True).keras_layout()
         (('iteration', 'learning_rate'), (('momentum', 'velocity'), ('velocity_hat',)), ())
@@ -125,6 +141,15 @@ class KerasOptimizer(Optimizer):
              fused: bool | None = None) -> OptimizerState:
         """Slots and non-slots as `Optimizer.init`, plus Keras's int64 ``iteration`` counter (starting at 0).
 
+        Args:
+            params: as `Optimizer.init`'s.
+            state: as `Optimizer.init`'s; its ``iteration`` is kept.
+            stepped: as `Optimizer.init`'s.
+            fused: as `Optimizer.init`'s.
+
+        Returns:
+            The `OptimizerState`.
+
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import keras
         >>> w = varstate.Variable(jnp.zeros(2), name="w")
@@ -143,6 +168,17 @@ class KerasOptimizer(Optimizer):
         self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
     ) -> tuple[Any, OptimizerState]:
         """One step as `Optimizer.update`; a learning-rate schedule is called with ``iteration`` unless `step` is given.
+
+        Args:
+            grads: as `Optimizer.update`'s.
+            params: as `Optimizer.update`'s.
+            state: as `Optimizer.update`'s; it must hold ``iteration`` (`init`).
+            step: the value a learning-rate schedule is called with; None is
+                the state's ``iteration``.
+            **extra_args: none is taken (TypeError naming the first).
+
+        Returns:
+            ``(params, state)``, ``iteration`` incremented.
 
         >>> import jax.numpy as jnp
         >>> from varstate.optimizers import keras
@@ -165,6 +201,19 @@ class KerasOptimizer(Optimizer):
         For another layout's names, such as tf.keras 2's (``m``, ``v``), which
         a checkpoint records as slot names. Non-slots are kept as they are.
 
+        Args:
+            params: the params the state's slots belong to (found by resource
+                id, whatever their structure).
+            state: the state to rename.
+            names: ``{current slot name: new name}``; unnamed slots keep theirs.
+
+        Returns:
+            A new `OptimizerState` whose slot Variables are named
+            ``<primary>/<new name>``.
+
+        Raises:
+            ValueError: a slot belongs to no Variable of `params`.
+
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import keras
         >>> w = varstate.Variable(jnp.ones(2), name="kernel")
@@ -177,46 +226,47 @@ class KerasOptimizer(Optimizer):
         # Keyed by int | None: a variable that is no slot has slot_of None, found nowhere.
         by_rid: dict[int | None, Variable] = {
             p.resource_id: p for p in jax.tree.leaves(params, is_leaf=is_var) if isinstance(p, Variable)}
+
+        def renamed(name: str, s: Any) -> Any:
+            if not isinstance(s, Variable):
+                return s
+            primary = by_rid.get(s.handle.slot_of)
+            if primary is None:
+                raise ValueError(f"renamed_slots: slot {s.name!r} belongs to no Variable of params; pass the "
+                                 "params the state was made for")
+            return filled_slot(primary, name, 0.0)._with_value(s.value)
+
         slots = {}
         for name, tree in state.slots.items():
-            flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: is_var(x) or x is None)
-            new = []
-            for s in flat:
-                primary = by_rid.get(s.handle.slot_of) if isinstance(s, Variable) else None
-                if isinstance(s, Variable) and primary is None:
-                    raise ValueError(f"renamed_slots: slot {s.name!r} belongs to no Variable of params; pass the "
-                                     "params the state was made for")
-                if primary is not None:
-                    s = filled_slot(primary, names.get(name, name), 0.0)._with_value(s.value)
-                new.append(s)
-            slots[names.get(name, name)] = treedef.unflatten(new)
+            leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: is_var(x) or x is None)
+            slots[names.get(name, name)] = treedef.unflatten([renamed(names.get(name, name), s) for s in leaves])
         return OptimizerState(slots=slots, non_slots=dict(state.non_slots))
 
     # --- the step -------------------------------------------------------
-    def _lr(self, h: dict, non_slots: dict, dtype: Any) -> Array:
-        lr = h["learning_rate"] if callable(self.learning_rate) else non_slots["learning_rate"]
+    def _lr_and_decayed(self, h: dict, non_slots: dict, var: Array) -> tuple[Array, Array]:
+        """The learning rate in the variable's dtype, and the variable after the decoupled weight decay."""
         # Keras's schedules return float32 tensors; the variable is float32; both are then cast.
-        return jnp.asarray(lr, jnp.float32).astype(dtype)
-
-    def _decay(self, lr: Array, var: Array) -> Array:
-        if self.weight_decay is None:
-            return var
-        return var - var * jnp.asarray(self.weight_decay, jnp.float32).astype(var.dtype) * lr
+        lr = as_dtype(h["learning_rate"] if callable(self.learning_rate) else non_slots["learning_rate"], var.dtype)
+        if self.weight_decay is not None:
+            var = var - var * as_dtype(self.weight_decay, var.dtype) * lr
+        return lr, var
 
     def _dense(self, h, grad, var, slots, non_slots):
-        lr = self._lr(h, non_slots, var.dtype)
-        var = self._decay(lr, var)
+        lr, var = self._lr_and_decayed(h, non_slots, var)
         return self._step_dense(lr, grad.astype(var.dtype), var, slots, non_slots)
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
-        lr = self._lr(h, non_slots, var.dtype)
-        var = self._decay(lr, var)
+        lr, var = self._lr_and_decayed(h, non_slots, var)
         return self._step_sparse(lr, values.astype(var.dtype), indices, var, slots, non_slots)
 
     def _step_dense(self, lr, grad, var, slots, non_slots):
-        raise NotImplementedError
+        return self._step(lr, var, slots, non_slots, lambda f: f(grad))
 
     def _step_sparse(self, lr, values, indices, var, slots, non_slots):
+        # Keras's rule: an elementwise op of sparse rows stays on the rows, which a dense op then sums.
+        return self._step(lr, var, slots, non_slots, lambda f: densify(f(values), indices, var.shape))
+
+    def _step(self, lr, var, slots, non_slots, summed):
         raise NotImplementedError
 
     def _finish(self, h, non_slots):
@@ -226,8 +276,3 @@ class KerasOptimizer(Optimizer):
 def local_step(non_slots: dict, dtype: Any, ahead: int = 1) -> Array:
     """Keras's ``cast(iterations + ahead, dtype)``."""
     return (non_slots["iteration"] + ahead).astype(dtype)
-
-
-def keras_power(base: Array, exponent: Array) -> Array:
-    """``base ** exponent`` on scalars, as Keras's ``ops.power`` (a scalar ``powf`` in TF and in XLA alike)."""
-    return jnp.power(base, exponent)

@@ -8,7 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from varstate.optimizers._core._rows import divide
-from varstate.optimizers.keras._base import KerasOptimizer, const, densify
+from varstate.optimizers.keras._base import KerasOptimizer, const
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,24 @@ class Ftrl(KerasOptimizer):
     polynomial, within an ulp of the exact power but not always rounded to
     nearest), which XLA computes differently: Ftrl agrees with Keras to a few
     ulp, not bit for bit.
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        learning_rate_power: the power ``-p`` (zero or negative; -0.5 takes square roots).
+        initial_accumulator_value: the accumulator's starting value (zero or positive).
+        l1_regularization_strength: the L1 strength (zero or positive).
+        l2_regularization_strength: the L2 strength (zero or positive).
+        l2_shrinkage_regularization_strength: the shrinkage added to the gradient (zero or positive).
+        beta: added to L2 as ``beta / (2 lr)``.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
+        ValueError: a value out of the ranges above (as Keras requires).
 
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
@@ -66,8 +84,9 @@ class Ftrl(KerasOptimizer):
     def _slot_inits(self):
         return {"accumulator": self.initial_accumulator_value, "linear": 0.0}
 
-    def _apply(self, lr, grad, grad_sq, var, slots):
+    def _step(self, lr, var, slots, non_slots, summed):
         dtype = var.dtype
+        grad, grad_sq = summed(lambda g: g), summed(jnp.square)
         power = const(-self.learning_rate_power, dtype)
         l2 = const(self.l2_regularization_strength, dtype) + const(self.beta, dtype) / (2.0 * lr)
         grad = grad + const(2 * self.l2_shrinkage_regularization_strength, dtype) * var
@@ -79,10 +98,3 @@ class Ftrl(KerasOptimizer):
         l1 = const(self.l1_regularization_strength, dtype)
         var = (jnp.clip(linear, -l1, l1) - linear) / quadratic
         return var, {"accumulator": new_acc, "linear": linear}
-
-    def _step_dense(self, lr, grad, var, slots, non_slots):
-        return self._apply(lr, grad, jnp.square(grad), var, slots)
-
-    def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        shape = var.shape
-        return self._apply(lr, densify(values, indices, shape), densify(jnp.square(values), indices, shape), var, slots)

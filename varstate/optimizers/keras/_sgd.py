@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from varstate.optimizers._core._rows import add_rows, gather_rows
+from varstate.optimizers._core._rows import add_rows, as_dtype, gather_rows
 from varstate.optimizers.keras._base import KerasOptimizer, const, densify, scatter_sub
 
 
@@ -18,6 +18,19 @@ class SGD(KerasOptimizer):
     ``m = m * momentum - g * lr``; ``var += m``, or with Nesterov
     ``var += m * momentum - g * lr``. Without momentum, ``var -= g * lr``
     (sparse rows subtracted one after another).
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        momentum: the momentum (a float; 0 keeps no ``momentum`` slot).
+        nesterov: take Nesterov's step (the formula above).
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
@@ -37,8 +50,9 @@ class SGD(KerasOptimizer):
     def _slot_groups(self):
         return (("momentum",),) if self.momentum != 0 else ()
 
-    def _step(self, lr, var, slots, scaled):
-        mom = jnp.asarray(self.momentum, jnp.float32).astype(var.dtype)
+    def _step(self, lr, var, slots, non_slots, summed):
+        mom = as_dtype(self.momentum, var.dtype)
+        scaled = summed(lambda g: g * lr)
         m = slots["momentum"] * mom - scaled
         var = var + (m * mom - scaled) if self.nesterov else var + m
         return var, {"momentum": m}
@@ -46,12 +60,12 @@ class SGD(KerasOptimizer):
     def _step_dense(self, lr, grad, var, slots, non_slots):
         if self.momentum == 0:
             return var - grad * lr, {}
-        return self._step(lr, var, slots, grad * lr)
+        return super()._step_dense(lr, grad, var, slots, non_slots)
 
     def _step_sparse(self, lr, values, indices, var, slots, non_slots):
         if self.momentum == 0:
             return scatter_sub(var, indices, values * lr), {}
-        return self._step(lr, var, slots, densify(values * lr, indices, var.shape))
+        return super()._step_sparse(lr, values, indices, var, slots, non_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +76,21 @@ class RMSprop(KerasOptimizer):
     and the denominator is ``v - a**2 + epsilon``, else ``v + epsilon``;
     ``inc = lr * g / sqrt(denominator)``; ``mom = momentum * mom + inc;
     var -= mom``, or ``var -= inc`` without momentum.
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        rho: the decay of ``velocity`` (and ``average_gradient``).
+        momentum: the momentum (0 keeps no ``momentum`` slot).
+        epsilon: added to the denominator under the square root.
+        centered: subtract the squared mean gradient (slot ``average_gradient``).
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
@@ -87,17 +116,17 @@ class RMSprop(KerasOptimizer):
             groups.append(("average_gradient",))
         return tuple(groups)
 
-    def _denominator(self, dtype, slots, new, g_term, gsq_term):
+    def _denominator(self, dtype, slots, new, summed):
         rho, rest = const(self.rho, dtype), const(1 - self.rho, dtype)
-        v = new["velocity"] = rho * slots["velocity"] + gsq_term(rest)
+        v = new["velocity"] = rho * slots["velocity"] + summed(lambda g: rest * jnp.square(g))
         if self.centered:
-            a = new["average_gradient"] = rho * slots["average_gradient"] + g_term(rest)
+            a = new["average_gradient"] = rho * slots["average_gradient"] + summed(lambda g: rest * g)
             return v - jnp.square(a) + const(self.epsilon, dtype)
         return v + const(self.epsilon, dtype)
 
     def _step_dense(self, lr, grad, var, slots, non_slots):
         new = {}
-        den = self._denominator(var.dtype, slots, new, lambda c: c * grad, lambda c: c * jnp.square(grad))
+        den = self._denominator(var.dtype, slots, new, lambda f: f(grad))
         inc = (lr * grad) / jnp.sqrt(den)
         if self.momentum > 0:
             mom = new["momentum"] = const(self.momentum, var.dtype) * slots["momentum"] + inc
@@ -106,11 +135,7 @@ class RMSprop(KerasOptimizer):
 
     def _step_sparse(self, lr, values, indices, var, slots, non_slots):
         new, shape = {}, var.shape
-        den = self._denominator(
-            var.dtype, slots, new,
-            lambda c: densify(c * values, indices, shape),
-            lambda c: densify(c * jnp.square(values), indices, shape),
-        )
+        den = self._denominator(var.dtype, slots, new, lambda f: densify(f(values), indices, shape))
         inc = (lr * values) / gather_rows(jnp.sqrt(den), indices)
         if self.momentum > 0:
             mom = new["momentum"] = const(self.momentum, var.dtype) * slots["momentum"] + densify(inc, indices, shape)
@@ -124,6 +149,19 @@ class Adagrad(KerasOptimizer):
 
     ``acc += g**2``; ``var -= lr * g / sqrt(acc + epsilon)`` (sparse rows
     added and subtracted one after another).
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        initial_accumulator_value: the accumulator's starting value.
+        epsilon: added to the accumulator under the square root.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
@@ -162,6 +200,19 @@ class Adadelta(KerasOptimizer):
     ``ag = rho * ag + (1 - rho) * g**2``;
     ``delta = -sqrt(adv + epsilon) * g / sqrt(ag + epsilon)``;
     ``adv = rho * adv + (1 - rho) * delta**2``; ``var += lr * delta``.
+
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        rho: the decay of both accumulators.
+        epsilon: added under both square roots.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
 
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
@@ -209,6 +260,19 @@ class Lion(KerasOptimizer):
     ``var -= lr * sign(m * beta_1 + g * (1 - beta_1))``, then
     ``m = m * beta_2 + g * (1 - beta_2)``.
 
+    Args:
+        learning_rate: a float, or a schedule ``f(iteration)`` called with the
+            ``iteration`` counter (unless ``step=`` is given; Keras then keeps no
+            ``learning_rate`` variable).
+        weight_decay: Keras's decoupled weight decay, ``var -= var *
+            weight_decay * learning_rate`` before each update; None turns it off.
+        beta_1: the interpolation of the momentum into the sign's argument.
+        beta_2: the decay of the ``momentum`` slot.
+
+    Raises:
+        TypeError: an option that is not a float (the learning rate: nor a
+            callable), or an unknown keyword (the message names the closest).
+
     >>> import jax.numpy as jnp
     >>> from varstate.optimizers import keras
     >>> opt = keras.Lion(0.1)
@@ -226,19 +290,8 @@ class Lion(KerasOptimizer):
     def _slot_groups(self):
         return (("momentum",),)
 
-    def _betas(self, dtype):
-        b1 = jnp.asarray(self.beta_1, jnp.float32).astype(dtype)
-        b2 = jnp.asarray(self.beta_2, jnp.float32).astype(dtype)
-        return b1, b2
-
-    def _step_dense(self, lr, grad, var, slots, non_slots):
-        b1, b2 = self._betas(var.dtype)
+    def _step(self, lr, var, slots, non_slots, summed):
+        b1, b2 = as_dtype(self.beta_1, var.dtype), as_dtype(self.beta_2, var.dtype)
         m = slots["momentum"]
-        var = var - lr * jnp.sign(m * b1 + grad * (1.0 - b1))
-        return var, {"momentum": m * b2 + grad * (1.0 - b2)}
-
-    def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        b1, b2 = self._betas(var.dtype)
-        m = slots["momentum"]
-        var = var - lr * jnp.sign(m * b1 + densify(values * (1.0 - b1), indices, var.shape))
-        return var, {"momentum": m * b2 + densify(values * (1.0 - b2), indices, var.shape)}
+        var = var - lr * jnp.sign(m * b1 + summed(lambda g: g * (1.0 - b1)))
+        return var, {"momentum": m * b2 + summed(lambda g: g * (1.0 - b2))}
