@@ -5,13 +5,15 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	# setuptools' boxed notice about editable installs reads like an error to a newcomer; it is only information.
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,8 +24,17 @@ test: $(STAMP)
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -n auto --dist loadfile tests
 
+# The docs extra on top of the test set-up; the build is offline (intersphinx reads docs/_inventories/).
+$(DOCS_STAMP): $(STAMP)
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	mkdir -p docs/_build
+	$(BIN)/python -m sphinx -E -b html -W -n --keep-going -w docs/_build/warnings.txt docs docs/_build/html
+
 bench: $(STAMP)
 	for b in benchmarks/[!_]*.py; do $(BIN)/python -m benchmarks.$$(basename $$b .py) || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache docs/_build
