@@ -470,7 +470,7 @@ class CheckpointManager:
         if changed:
             self._journal.store()
 
-    def _commit(self, step: int, metrics: dict[str, Any] | None, score: float | None, primary: bool = True) -> None:
+    def _commit(self, step: int, metrics: dict[str, Any] | None, score: float | None, primary: bool) -> None:
         path = self._path(step)
         name = os.path.basename(path)
         self._standins.pop(step, None)
@@ -507,14 +507,14 @@ class CheckpointManager:
             return []
         if self._best_fn is None:
             return steps[: -self.max_to_keep]
-        recency = {s: i for i, s in enumerate(steps)}
         sign = 1.0 if self._best_mode == "max" else -1.0
 
         def rank(s: int) -> tuple:
             score = self._scores.get(s)
-            return (score is not None, sign * score if score is not None else 0.0, recency[s])
+            return (score is not None, sign * score if score is not None else 0.0)
 
-        best = set(sorted(steps, key=rank, reverse=True)[: self.max_to_keep])
+        # Newest first into a stable sort: ties go to the more recent.
+        best = set(sorted(reversed(steps), key=rank, reverse=True)[: self.max_to_keep])
         return [s for s in steps[:-1] if s not in best]  # the latest stays: it is what training resumes from
 
     def wait_until_finished(self) -> None:
@@ -534,8 +534,7 @@ class CheckpointManager:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        with _WATCH_LOCK:
-            _WATCHED.discard(self)
+        _WATCHED.discard(self)  # atomic: the lock guards only the first watch's hook
         self._pending_path = None
         if self._error is not None:
             error, self._error = self._error, None

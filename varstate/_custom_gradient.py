@@ -105,9 +105,9 @@ def _is_var(x: Any) -> bool:
 def _plain(tree: Any) -> Any:
     """`tree` with each Variable (or AutoCastVariable) replaced by its stored value."""
     def leaf(x):
-        if isinstance(x, Variable):
-            return x._value
-        return x.__varstate_variable__()._value if hasattr(x, "__varstate_variable__") else x
+        if hasattr(x, "__varstate_variable__"):
+            x = x.__varstate_variable__()
+        return x._value if isinstance(x, Variable) else x
     return jax.tree.map(leaf, tree, is_leaf=_is_var)
 
 
@@ -136,24 +136,18 @@ def _matches(arg: Any, g: Any) -> bool:
     return True
 
 
-def _count_error(fname: str, n: int, got: int) -> ValueError:
-    return ValueError(
-        f"custom_gradient: {fname} has {n} argument(s) but its grad_fn returned {got} gradient(s); "
-        f"return {n} gradient(s), one per argument{' as a tuple' if n > 1 else ''} (None for no gradient)."
-    )
-
-
 def _arg_cotangents(grads: Any, args: tuple, fname: str) -> list:
     """Flat cotangent list for the leaves of `args`, from grad_fn's input gradients."""
     n = len(args)
-    if n == 1:
-        if isinstance(grads, (tuple, list)) and not _matches(args[0], grads):
-            if len(grads) != 1:
-                raise _count_error(fname, 1, len(grads))
-            grads = grads[0]  # `(g,)` for the one argument
+    # One gradient per argument in a sequence, except that the one argument's may come bare (a sequence
+    # shaped like that argument is its gradient, not a sequence of one).
+    if not (isinstance(grads, (tuple, list)) and (n != 1 or not _matches(args[0], grads))):
         grads = (grads,)
-    elif not isinstance(grads, (tuple, list)) or len(grads) != n:
-        raise _count_error(fname, n, len(grads) if isinstance(grads, (tuple, list)) else 1)
+    if len(grads) != n:
+        raise ValueError(
+            f"custom_gradient: {fname} has {n} argument(s) but its grad_fn returned {len(grads)} gradient(s); "
+            f"return {n} gradient(s), one per argument{' as a tuple' if n > 1 else ''} (None for no gradient)."
+        )
     out: list[Any] = []
     for i, (arg, g) in enumerate(zip(args, grads, strict=True)):
         leaves, treedef = jax.tree.flatten(_plain(arg))
@@ -249,11 +243,10 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
         dys = jax.tree.map(jnp.zeros_like, y)
         dys = tuple(dys) if isinstance(y, (tuple, list)) else (dys,)
         kw = {"variables": [_from_parts(val, h) for h, val in variables]} if variables else {}
-        with _reading(read):  # grad_fn may read variables f did not: they must be lifted too
-            try:
-                grad_fn(*dys, **kw)
-            except Exception:  # a probe only: a faulty grad_fn is reported when it is differentiated
-                pass
+        # grad_fn may read variables f did not: they must be lifted too. A probe only: a faulty grad_fn is
+        # reported when it is differentiated.
+        with _reading(read), contextlib.suppress(Exception):
+            grad_fn(*dys, **kw)
         # Lifted, each once: the variables grad_fn gets, then f's other reads, then those only grad_fn made.
         lifted = {id(r[1]): r for r in [*variables, *forward, *reads.values()]}
         found["lifted"], found["n_vars"] = list(lifted.values()), len(variables)

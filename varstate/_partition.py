@@ -230,16 +230,14 @@ class PartitionedVariable:
                 f"PartitionedVariable {name!r}: partitioner returned {parts}; only axis {axis} "
                 f"may be split for shape {value.shape}."
             )
-        full_shape = tuple(value.shape)
         scope = _current_scope()  # the shards' names get it from Variable; the full name needs it too
         full_name = f"{scope}/{name}" if scope else name
-        shards = []
-        for i, info in enumerate(_slices(full_name, full_shape, parts[axis], axis)):
-            part = _part(value, info) if sharding is None else jax.device_put(_part(value, info), sharding)
-            shards.append(Variable(part, name=f"{name}/part_{i}", trainable=trainable, save_slice_info=info,
-                                   registry=registry))
-        self._variables = tuple(shards)
-        self._name, self._shape, self._dtype, self._axis = full_name, full_shape, value.dtype, axis
+        self._variables = tuple(
+            Variable(_part(value, info) if sharding is None else jax.device_put(_part(value, info), sharding),
+                     name=f"{name}/part_{i}", trainable=trainable, save_slice_info=info, registry=registry)
+            for i, info in enumerate(_slices(full_name, value.shape, parts[axis], axis))
+        )
+        self._name, self._shape, self._dtype, self._axis = full_name, value.shape, value.dtype, axis
 
     @classmethod
     def _from_shards(cls, shards: Iterable[Variable], meta: tuple) -> PartitionedVariable:

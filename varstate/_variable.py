@@ -187,10 +187,6 @@ def donated_error(what: str) -> DonatedVariableError:
     )
 
 
-def _donated(var: Any) -> DonatedVariableError:
-    return donated_error(f"Variable {var.name!r}")
-
-
 def _copy(x: jax.Array) -> jax.Array:
     # A new buffer with the same sharding and committedness (tf.Variable copies its initial value too): a
     # donated step then deletes the Variable's buffer, never the caller's array. Timed on CPU: jnp.array copies
@@ -393,7 +389,7 @@ class Variable(_ArrayOps):
             return _read_hook(self)
         value = self._value
         if type(value) is ArrayImpl and value.is_deleted():
-            raise _donated(self)
+            raise donated_error(f"Variable {self.name!r}")
         return value
 
     @value.setter
@@ -443,7 +439,7 @@ class Variable(_ArrayOps):
         value = self._value
         if type(value) is ArrayImpl:  # the common case first: one type test (operators read through here)
             if value.is_deleted():
-                raise _donated(self)
+                raise donated_error(f"Variable {self.name!r}")
         elif isinstance(value, jax.ShapeDtypeStruct):
             raise ValueError(
                 f"Variable {self.name!r} is uninitialized (shape {self.shape}, {self.dtype}): "
@@ -561,11 +557,10 @@ class Variable(_ArrayOps):
                 f"the updates are {updates.dtype}."
             )
         if not isinstance(indices, Tracer) and indices.size:
-            lo, hi = int(indices.min()), int(indices.max())
-            if lo < 0 or hi >= self.shape[0]:
-                bad = lo if lo < 0 else hi
+            bad = [i for i in (int(indices.min()), int(indices.max())) if not 0 <= i < self.shape[0]]
+            if bad:  # the lowest index when it is negative, else the highest
                 raise IndexError(
-                    f"Variable {self.name!r}.{op}: index {bad} is out of range for a first "
+                    f"Variable {self.name!r}.{op}: index {bad[0]} is out of range for a first "
                     f"dimension of size {self.shape[0]} (valid: 0..{self.shape[0] - 1})."
                 )
         # Under tracing indices cannot be checked; out-of-range rows (negative ones too) are dropped.

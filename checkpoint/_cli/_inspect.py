@@ -72,18 +72,6 @@ def _tree_rows(nodes, describe) -> list[dict[str, Any]]:
     return rows
 
 
-def _graph_rows(graph, reader) -> tuple[list[dict[str, Any]], set[str]]:
-    """The checkpoint's object graph as rows (see `_tree_rows`), and the keys it reaches."""
-    seen: set[str] = set()
-
-    def describe(node_id: int) -> dict[str, Any]:
-        attributes = graph.nodes[node_id].attributes
-        seen.update(attr.checkpoint_key for attr in attributes)
-        return {"values": [_value_info(reader, attr.checkpoint_key, attr.name) for attr in attributes]}
-
-    return _tree_rows(graph.nodes, describe), seen
-
-
 def _row_label(row: dict[str, Any]) -> str:
     if "same_as" in row:
         return f"{row['name']} -> same object as {row['same_as']}"
@@ -124,10 +112,12 @@ def _total(n: int, total: int) -> str:
 
 
 def inspect(args) -> int:
-    if os.path.isdir(args.path) and os.path.lexists(os.path.join(args.path, _storage.EXPORT_FILE)):
-        return _inspect_export(args)
-    if os.path.isdir(args.path) and os.path.isfile(os.path.join(args.path, _storage.SAVED_MODEL_FILE)):
-        return _inspect_saved_model(args)
+    if os.path.isdir(args.path):
+        if os.path.lexists(os.path.join(args.path, _storage.EXPORT_FILE)):
+            return _inspect_export(args)
+        # With --key, a SavedModel's variables are read as the checkpoint they are, below.
+        if args.key is None and os.path.isfile(os.path.join(args.path, _storage.SAVED_MODEL_FILE)):
+            return _inspect_saved_model(args)
     reader = _storage.open_reader(args.path)
     if args.key is not None:
         return _inspect_key(reader, args.key, args.json)
@@ -135,7 +125,9 @@ def inspect(args) -> int:
     total = sum(out.nbytes(reader, k) for k in keys)
     title, footer = f"{reader.path}: {reader.format_name}", _total(len(keys), total)
     graph = out.object_graph(reader)
-    rows, seen = _graph_rows(graph, reader) if graph is not None else ([], set())
+    rows = [] if graph is None else _tree_rows(graph.nodes, lambda node_id: {"values": [
+        _value_info(reader, attr.checkpoint_key, attr.name) for attr in graph.nodes[node_id].attributes]})
+    seen = {value["key"] for row in rows for value in row.get("values", ())}  # the keys the object graph reaches
     slices = reader.get_slices
     if args.json:
         out.print_json({"path": reader.path, "format": reader.format_name, "values": len(keys), "bytes": total,
@@ -209,14 +201,6 @@ def _json_value(x: Any) -> Any:
     return out.number(float(x))
 
 
-class _Node:
-    """A SavedModel node shaped as `_tree_rows` walks an object graph's nodes."""
-
-    def __init__(self, children: dict[str, int]) -> None:
-        self.children = [argparse.Namespace(node_id=i, local_name=name) for name, i in children.items()]
-        self.slot_variables: list = []
-
-
 def _spec_json(spec) -> dict[str, Any]:
     return {"dtype": None if spec.dtype is None else out.dtype_name(spec.dtype),
             "shape": None if spec.shape is None else list(spec.shape), "tensor": spec.tensor,
@@ -233,10 +217,10 @@ def _inspect_saved_model(args) -> int:
     """A TF SavedModel: tags, signatures with their inputs and outputs, the object tree with variables and assets."""
     from checkpoint._tf._saved_model import read_saved_model
 
-    if args.key is not None:
-        return _inspect_key(_storage.open_reader(args.path), args.key, args.json)
     sm = read_saved_model(args.path)
-    nodes = [_Node(n.children) for n in sm.nodes]
+    # The nodes shaped as `_tree_rows` walks an object graph's nodes (a SavedModel's slot variables are not shown).
+    nodes = [argparse.Namespace(slot_variables=[], children=[argparse.Namespace(node_id=i, local_name=name)
+                                                             for name, i in n.children.items()]) for n in sm.nodes]
 
     def describe(node_id: int) -> dict[str, Any]:
         n = sm.nodes[node_id]
@@ -290,6 +274,9 @@ def _inspect_export(args) -> int:
     if args.key is not None:
         return _inspect_key(reader, args.key, args.json)
     graph, bundle_graph = definition.object_graph, out.object_graph(reader)
+    # A variable's value is its node's first attribute in the bundle, whose object graph numbers nodes as the export's.
+    value_keys = {i: n.attributes[0].checkpoint_key
+                  for i, n in enumerate(bundle_graph.nodes if bundle_graph is not None else []) if n.attributes}
     names = {**{ident: t.__name__ for t, ident in _format.WRAPPERS.items()}, _format.SIGNATURE_MAP: "signature map"}
 
     def describe(node_id: int) -> dict[str, Any]:
@@ -298,7 +285,7 @@ def _inspect_export(args) -> int:
         if kind == "variable":
             v = node.variable
             return {"kind": f"variable {v.name!r}", "variable": {"name": v.name, "trainable": v.trainable},
-                    "values": [_value_info(reader, _variable_key(bundle_graph, node_id))],
+                    "values": [_value_info(reader, value_keys.get(node_id, f"<no value for node {node_id}>"))],
                     **({} if v.trainable else {"note": "not trainable"})}
         if kind == "constant":
             key = node.constant.operation
@@ -327,7 +314,7 @@ def _inspect_export(args) -> int:
     paths = _bfs_paths(graph.nodes)
     signatures = []
     for row in rows:
-        if "function" not in row or "same_as" in row:
+        if "function" not in row:  # a later path to an object (same_as) is a row without the object's fields
             continue
         name, label = row["function"], row["path"].removeprefix("signatures/")
         fn = graph.concrete_functions.get(name)
@@ -358,10 +345,3 @@ def _inspect_export(args) -> int:
     for line in lines:
         out.say(line)
     return 0
-
-
-def _variable_key(graph, node_id: int) -> str:
-    """The key of variable `node_id` in an export's bundle: the bundle's object graph numbers nodes as the export's."""
-    if graph is None or not 0 <= node_id < len(graph.nodes) or not graph.nodes[node_id].attributes:
-        return f"<no value for node {node_id}>"
-    return graph.nodes[node_id].attributes[0].checkpoint_key

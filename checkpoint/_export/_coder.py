@@ -45,11 +45,12 @@ def structure_json(sv: pb.StructuredValue) -> Any:
     while stack:
         value, parent, key = stack.pop()
         kind = value.WhichOneof("kind")
+        item: Any = None  # none_value, or a kind this reader does not know
         if kind == "tensor_spec_value":
             spec = value.tensor_spec_value
             dtype = _dtypes.BY_ENUM.get(spec.dtype)
-            item: Any = {"dtype": dtype.name if dtype is not None else f"DataType {spec.dtype}",
-                         "shape": [d.name or None if d.size < 0 else d.size for d in spec.shape.dim]}
+            item = {"dtype": dtype.name if dtype is not None else f"DataType {spec.dtype}",
+                    "shape": [d.name or None if d.size < 0 else d.size for d in spec.shape.dim]}
         elif kind in ("tuple_value", "list_value"):
             children = getattr(value, kind).values
             item = {kind.split("_")[0]: [None] * len(children)}
@@ -57,8 +58,6 @@ def structure_json(sv: pb.StructuredValue) -> Any:
         elif kind == "dict_value":
             item = {"dict": dict.fromkeys(sorted(value.dict_value.fields))}
             stack.extend((value.dict_value.fields[k], item["dict"], k) for k in item["dict"])
-        else:
-            item = None
         parent[key] = item
     return out[0]
 
@@ -66,13 +65,11 @@ def structure_json(sv: pb.StructuredValue) -> Any:
 def structure_text(data: Any) -> str:
     """`structure_json`'s data as one line: ``(float32[n,3], {'k': int32[]})``."""
     parts: list[str] = []
-    stack: list[Any] = [data]  # strings are emitted as they are, everything else is expanded
+    stack: list[Any] = [data]  # strings and None are emitted as text, the rest is expanded
     while stack:
         item = stack.pop()
-        if isinstance(item, str):
-            parts.append(item)
-        elif item is None:
-            parts.append("None")
+        if isinstance(item, str) or item is None:
+            parts.append(str(item))
         elif "dtype" in item:
             parts.append(f"{item['dtype']}[{','.join('?' if d is None else str(d) for d in item['shape'])}]")
         else:

@@ -80,9 +80,8 @@ class Signature:
     and on the restored variables and constants it reads."""
 
     def __init__(self, name: str, exported: jax.export.Exported, captured: list[Any], where: str) -> None:
-        self.name, self.exported, self._captured, self._where = name, exported, captured, where
-        top = jax.tree_util.treedef_children(exported.in_tree)[0]  # ((captured, *args), {})
-        self._arg_trees = jax.tree_util.treedef_children(top)[1:]
+        self.name, self.exported, self._where = name, exported, where
+        self._arg_trees = exported.in_tree.children()[0].children()[1:]  # ((captured, *args), {})
         self._arg_avals = exported.in_avals[len(captured):]
         self._inputs = [_fit(c.value if isinstance(c, Variable) else c, aval)
                         for c, aval in zip(captured, exported.in_avals[:len(captured)], strict=True)]
@@ -163,11 +162,8 @@ def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> R
     """
     directory = os.path.abspath(os.fspath(directory))
     definition = read_definition(directory)
-    loader = _Loader(directory, definition, registry or Registry())
-    try:
-        return loader.root()
-    finally:
-        loader.reader.close()
+    with BundleReader(os.path.join(directory, VARIABLES_PREFIX)) as reader:
+        return _Loader(directory, definition, reader, registry or Registry()).root()
 
 
 def read_definition(directory: str) -> pb.ExportDef:
@@ -280,10 +276,9 @@ def custom_call_targets(exported: jax.export.Exported, where: str) -> list[str]:
 
 
 class _Loader:
-    def __init__(self, directory: str, definition: pb.ExportDef, registry: Registry) -> None:
-        self.dir, self.definition, self.registry = directory, definition, registry
+    def __init__(self, directory: str, definition: pb.ExportDef, reader: BundleReader, registry: Registry) -> None:
+        self.dir, self.definition, self.reader, self.registry = directory, definition, reader, registry
         self.graph = definition.object_graph
-        self.reader = BundleReader(os.path.join(directory, VARIABLES_PREFIX))
         self.ckpt_graph = self.reader.object_graph
         self.names = _graph.node_names(self.graph)
         self.memo: dict[int, Any] = {}
@@ -314,10 +309,9 @@ class _Loader:
         kind = proto.WhichOneof("kind")
         if kind not in ("variable", "constant", "asset", "bare_concrete_function", "user_object"):
             raise self.fail(i, f"has kind {kind!r}, which load does not support")
-        obj = getattr(self, kind)(i, getattr(proto, kind))
+        self.memo[i] = getattr(self, kind)(i, getattr(proto, kind))
         self.building.discard(i)
-        self.memo[i] = obj
-        return obj
+        return self.memo[i]
 
     def value(self, i: int, key: str) -> np.ndarray:
         if key not in self.reader:

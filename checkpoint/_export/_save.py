@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import pathlib
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -108,9 +109,7 @@ def export(directory: str | os.PathLike, root: Any,
     saved = pb.SavedObjectGraph()
     by_key = {s.key: s for s in graph.saveables}
     for i, node in enumerate(graph.proto.nodes):
-        out = saved.nodes.add()
-        out.children.extend(node.children)
-        out.slot_variables.extend(node.slot_variables)
+        out = saved.nodes.add(children=node.children, slot_variables=node.slot_variables)
         if node.attributes:
             _describe_value(out, by_key[node.attributes[0].checkpoint_key], graph.paths[i])
         else:
@@ -124,8 +123,7 @@ def export(directory: str | os.PathLike, root: Any,
                               tf_tensors(_graph.values(graph), graph.proto.SerializeToString()))
         _add_signatures(definition, saved, root, signatures, graph, tmp, platforms)
         definition.object_graph.CopyFrom(saved)
-        with open(os.path.join(tmp, EXPORT_FILE), "wb") as f:
-            f.write(seal(definition.SerializeToString()))
+        pathlib.Path(tmp, EXPORT_FILE).write_bytes(seal(definition.SerializeToString()))
     return directory
 
 
@@ -155,14 +153,17 @@ def _describe_container(out: pb.SavedObject, obj: Any, identifier: str | None = 
                                    bad_consumers=r.bad_consumers) if r else VersionDef(producer=1, min_consumer=1))
 
 
-def _child(saved: pb.SavedObjectGraph, node: int | None, name: str) -> int | None:
-    return None if node is None else next((r.node_id for r in saved.nodes[node].children if r.local_name == name), None)
+def _add_child(saved: pb.SavedObjectGraph, parent: int, name: str) -> pb.SavedObject:
+    """A new node, the child `name` of node `parent`."""
+    saved.nodes[parent].children.add(node_id=len(saved.nodes), local_name=name)
+    return saved.nodes.add()
 
 
-def _node_at(saved: pb.SavedObjectGraph, names: list[str]) -> int | None:
-    node: int | None = 0
+def _node_at(saved: pb.SavedObjectGraph, names: list[str], node: int | None = 0) -> int | None:
+    """The node that the child names `names` lead to from `node` (by default the root), or None."""
     for name in names:
-        node = _child(saved, node, name)
+        if node is not None:
+            node = next((r.node_id for r in saved.nodes[node].children if r.local_name == name), None)
     return node
 
 
@@ -187,14 +188,12 @@ def _add_assets(definition: pb.ExportDef, saved: pb.SavedObjectGraph, root: Any,
         parent, obj = 0, root
         for name in names[:-1]:  # containers that held only assets were left out of the graph
             obj = dict(_graph.children(obj))[name]
-            child = _child(saved, parent, name)
+            child = _node_at(saved, [name], parent)
             if child is None:
                 child = len(saved.nodes)
-                _describe_container(saved.nodes.add(), obj)
-                saved.nodes[parent].children.add(node_id=child, local_name=name)
+                _describe_container(_add_child(saved, parent, name), obj)
             parent = child
-        saved.nodes[parent].children.add(node_id=len(saved.nodes), local_name=names[-1])
-        saved.nodes.add().asset.asset_file_def_index = copied[src]
+        _add_child(saved, parent, names[-1]).asset.asset_file_def_index = copied[src]
 
 
 def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) -> None:
@@ -204,8 +203,7 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
     node_of_rid = {var.resource_id: node_of_path[_keys.node_path(s.key)]
                    for s in graph.saveables if (var := _graph.as_variable(s.obj)) is not None}
     sig_map = len(saved.nodes)
-    _describe_container(saved.nodes.add(), None, SIGNATURE_MAP)
-    saved.nodes[0].children.add(node_id=sig_map, local_name=SIGNATURES)
+    _describe_container(_add_child(saved, 0, SIGNATURES), None, SIGNATURE_MAP)
     is_leaf = lambda x: _graph.as_variable(x) is not None or isinstance(x, Asset)
     flat, treedef = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_leaf)
     leaf_nodes = []  # per root leaf: its node if it is passed in as an input, else None (static)
@@ -239,15 +237,13 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
         fname = f"__inference_{re.sub(r'[^A-Za-z0-9_]', '_', name)}_{i}"
         data = exported.serialize()
         os.makedirs(os.path.join(tmp, "functions"), exist_ok=True)
-        with open(os.path.join(tmp, "functions", fname), "wb") as f:
-            f.write(data)
+        pathlib.Path(tmp, "functions", fname).write_bytes(data)
         definition.function_sha256[fname] = hashlib.sha256(data).digest()
         cf = saved.concrete_functions[fname]
         cf.bound_inputs.extend(bound)
         cf.canonicalized_input_signature.CopyFrom(encode_structure((tuple(arg_specs), {})))
         cf.output_signature.CopyFrom(encode_structure(exported.out_tree.unflatten(exported.out_avals)))
-        saved.nodes[sig_map].children.add(node_id=len(saved.nodes), local_name=name)
-        bare = saved.nodes.add().bare_concrete_function
+        bare = _add_child(saved, sig_map, name).bare_concrete_function
         bare.concrete_function_name, bare.allowed_positional_arguments = fname, len(example_args)
 
 
@@ -275,7 +271,6 @@ def _feed(leaf: Any, value: Any) -> Any:
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
-    var = _graph.as_variable(x)
-    x = var.value if var is not None else x
+    x = _feed(x, None)  # a Variable's value
     # No sharding (a ShapeDtypeStruct's is dropped too): the export runs on any one device.
     return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)

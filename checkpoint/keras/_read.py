@@ -209,16 +209,6 @@ def _insert(tree: dict, path: tuple[str, ...], value: Any, where: str) -> None:
     node[path[-1]] = value
 
 
-def _prune_empty(tree: dict) -> dict:
-    """Drops layers that hold no weights (InputLayer, pooling), keeping the order of the rest."""
-    for key in list(tree):
-        if isinstance(tree[key], dict):
-            _prune_empty(tree[key])
-            if not tree[key]:
-                del tree[key]
-    return tree
-
-
 # --- the public reader: the format is found from the file itself -------------------------------
 def load_weights(
     path: str | os.PathLike,
@@ -280,8 +270,8 @@ def load_weights(
             return _Keras3Reader(f, path, names, registry).read()
     if os.path.isfile(path) and _is_hdf5(path):
         with _h5py().File(path, "r") as f:
-            if _legacy_root(f) is not None:
-                return _read_legacy(f, path, registry)
+            if (root := _legacy_root(f)) is not None:
+                return _read_legacy(root, path, registry)
             return _Keras3Reader(f, path, names, registry).read()
     if os.path.isfile(path) and not path.endswith(".index"):
         raise CheckpointFormatError(
@@ -308,11 +298,11 @@ class _Keras3Reader:
                 "attribute of Keras 2's format: not a Keras weights file"
             )
         model_name = _decode(root_vars.attrs.get("name", "")) if root_vars is not None else ""
-        self._own(root_vars, (), model_name, "", "")
+        self._own(root_vars, (), model_name, "")
         for name, child in self._groups(self.f, ""):
             if name not in (_VARS, _OPTIMIZER):  # the optimizer's state is not a weight of the model
                 self._walk(child, name, ())
-        return KerasWeights(_prune_empty(self.tree), layout=tuple(self.layout), source=self.where)
+        return KerasWeights(self.tree, layout=tuple(self.layout), source=self.where)
 
     def _child(self, group, name: str, group_path: str):
         if name not in group:
@@ -347,13 +337,13 @@ class _Keras3Reader:
                     f"{self.where}: two layers are both named {'/'.join(path)!r} (groups {group_path} and "
                     f"{next(lay.group for lay in self.layout if lay.path == path)})"
                 )
-            self._own(own, path, layer_name, group_path, group_path.rsplit("/", 1)[-1])
+            self._own(own, path, layer_name, group_path)
         # A group without 'vars' is a container (a list or dict of layers): its layers belong to `parent`.
         for name, child in self._groups(group, group_path):
             if name != _VARS:
                 self._walk(child, f"{group_path}/{name}", path)
 
-    def _own(self, vars_group, path: tuple[str, ...], layer_name: str, group_path: str, group_name: str) -> None:
+    def _own(self, vars_group, path: tuple[str, ...], layer_name: str, group_path: str) -> None:
         datasets = []
         if vars_group is not None:
             keys = list(vars_group)
@@ -363,24 +353,21 @@ class _Keras3Reader:
                     "'0', '1', ... in order"
                 )
             datasets = [self._dataset(vars_group, str(i), f"{group_path}/vars") for i in range(len(keys))]
-        names = self._weight_names(path, layer_name, group_name, len(datasets), group_path)
-        self._tree_node(path)
+        names = self._weight_names(path, layer_name, len(datasets), group_path)
+        # A layer's dict is made by its first weight, so a layer without weights (InputLayer, pooling) leaves none;
+        # layers still keep the order they were written in, as each layer's sublayers are read right after it.
+        node: Any = self.tree
+        for part in path:
+            node = node.get(part, {})
+            if not isinstance(node, dict):
+                raise CheckpointFormatError(f"{self.where}: layer {'/'.join(path)!r} shares its name with a weight")
         key = f"{self.where}:{group_path}/vars"
         for name, value in zip(names, datasets, strict=True):
             _insert(self.tree, (*path, name), _variable(value, (*path, name), self.registry, key), self.where)
         self.layout.append(LayerLayout(path, layer_name, group_path, tuple(names),
                                        tuple(tuple(v.shape) for v in datasets), tuple(v.dtype.name for v in datasets)))
 
-    def _tree_node(self, path: tuple[str, ...]) -> None:
-        """Puts an (empty) dict for the layer at `path` now, so that layers keep the order they were written in."""
-        node = self.tree
-        for part in path:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise CheckpointFormatError(f"{self.where}: layer {'/'.join(path)!r} shares its name with a weight")
-            node = child
-
-    def _weight_names(self, path, layer_name: str, group_name: str, count: int, group_path: str) -> tuple[str, ...]:
+    def _weight_names(self, path, layer_name: str, count: int, group_path: str) -> tuple[str, ...]:
         for key in ("/".join(path), layer_name):
             if key in self.names:
                 names = self.names[key]
@@ -390,7 +377,8 @@ class _Keras3Reader:
                         f"stores {count} weights: give {count} distinct names"
                     )
                 return names
-        for key in (group_name, layer_name):  # no table has a count of 0: a layer without weights gets ()
+        # By the group's name, then the layer's. No table has a count of 0: a layer without weights gets ().
+        for key in (group_path.rsplit("/", 1)[-1], layer_name):
             known = BUILTIN_WEIGHT_NAMES.get(re.sub(r"_\d+$", "", key), {}).get(count)
             if known:
                 return known
@@ -411,7 +399,7 @@ def _read_dataset(ds, where: str) -> np.ndarray:
     dtype = ds.dtype
     if not (dtype.kind in "biufc" or (bf16 and dtype.itemsize == 2)):
         raise CheckpointFormatError(f"{where} has dtype {dtype}; Keras weights are numbers")
-    declared = math.prod(ds.shape or ()) * dtype.itemsize if ds.shape is not None else 0
+    declared = math.prod(ds.shape or ()) * dtype.itemsize  # a shape of None (no data) counts one item: never too big
     stored = ds.id.get_storage_size()
     if declared > _BOMB_FLOOR_BYTES and declared > _BOMB_MAX_RATIO * stored:
         raise CheckpointFormatError(
@@ -432,9 +420,8 @@ def _legacy_root(f):
     return None
 
 
-def _read_legacy(f, where: str, registry) -> KerasWeights:
+def _read_legacy(root, where: str, registry) -> KerasWeights:
     h5py = _h5py()
-    root = _legacy_root(f)
     tree: dict = {}
     layout: dict[tuple[str, ...], list[str]] = {}
     for layer_name in (_decode(n) for n in root.attrs["layer_names"]):

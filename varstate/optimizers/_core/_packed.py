@@ -162,10 +162,8 @@ def pack(slots: dict[str, Any], names: list[str], p_leaves: list, p_def: Any, ow
     flat = {n: p_def.flatten_up_to(slots[n]) for n in names}
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(p_leaves):
-        if owners[i] != i or any(flat[n][i] is None for n in names):
-            continue
         key = _group_key(p)
-        if key is not None:
+        if key is not None and owners[i] == i and all(flat[n][i] is not None for n in names):
             groups.setdefault(key, []).append(i)
     stored, packed = dict(slots), {}
     for n in names:
@@ -180,9 +178,8 @@ def pack(slots: dict[str, Any], names: list[str], p_leaves: list, p_def: Any, ow
                 leaves[i] = PackedSlot(g, offset, value.shape, s._with_value(spec) if isinstance(s, Variable) else None)
                 offset += value.size
             buffers.append(_concat(parts, parts[0]))
-        for j, i in enumerate(owners):
-            if i != j and isinstance(leaves[i], PackedSlot):
-                leaves[j] = leaves[i]  # a tied weight's one slot, at every place
+        leaves = [leaves[i] if isinstance(leaves[i], PackedSlot) else s  # a tied weight's one slot, at every place
+                  for s, i in zip(leaves, owners, strict=True)]
         stored[n], packed[n] = PackedTree.build(p_def, leaves), tuple(buffers)
     return stored, packed
 
@@ -205,9 +202,8 @@ def views(stored: dict[str, Any], packed: dict[str, tuple]) -> dict[str, Any]:
     """`stored` with every marker replaced by its slot's view."""
     out = dict(stored)
     for n, buffers in packed.items():
-        tree = stored[n]
-        out[n] = tree.layout.p_def.unflatten([x.view(buffers) if isinstance(x, PackedSlot) else x
-                                              for x in tree.leaves()])
+        out[n] = stored[n].layout.p_def.unflatten([x.view(buffers) if isinstance(x, PackedSlot) else x
+                                                   for x in stored[n].leaves()])
     return out
 
 
@@ -235,13 +231,9 @@ def repack(stored: dict[str, Any], packed: dict[str, tuple], slots: dict[str, An
                         f"got {type(value).__name__} {getattr(value, 'shape', '')}."
                     )
                 parts[mark.group][mark.offset] = value.astype(buffers[mark.group].dtype)
-        new = []
-        for g, b in enumerate(buffers):
-            pieces = [parts[g][k] for k in sorted(parts[g])]
-            new.append(_concat(pieces, b) if pieces else b)
         out_stored[n] = PackedTree.build(p_def, [m if isinstance(m, PackedSlot) else s
                                                  for m, s in zip(marks, given, strict=True)], tree.layout)
-        out_packed[n] = tuple(new)
+        out_packed[n] = tuple(_concat([p[k] for k in sorted(p)], b) for p, b in zip(parts, buffers, strict=True))
     return out_stored, out_packed
 
 
@@ -287,17 +279,16 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
                 v_slots[k].append(state.packed[k][g])
             live[g] = members, dense
     new_v, new_state = update(v_grads, v_params, type(state)(v_slots, state.non_slots), step, **extra)
-    new_p = [p if isinstance(m, PackedSlot) else new_v[i] for i, (p, m) in enumerate(zip(p_leaves, marks, strict=True))]
+    # What the update stepped (unpacked params, packed ones with a sparse gradient) takes its new version.
+    new_p = [p if v is None else new_v[i] for i, (p, v) in enumerate(zip(p_leaves, v_params[:n], strict=True))]
     new_stored = {k: [s if isinstance(s, PackedSlot) else new_state.slots[k][i] for i, s in enumerate(stored[k])]
                   for k in names}
     buffers = {k: list(state.packed[k]) for k in names}
     for j, (g, (members, dense)) in enumerate(live.items()):
         for k in names:
             new = new_state.slots[k][n + j]
-            if not all(dense):
-                mask = np.zeros(new.shape, bool)
-                for (_, m), d in zip(members, dense, strict=True):
-                    mask[m.offset:m.offset + m.size] = d
+            if not all(dense):  # the members lie in the buffer in order, without gaps (see `pack`)
+                mask = np.repeat(dense, [m.size for _, m in members])
                 new = jnp.where(mask, new, buffers[k][g])
             buffers[k][g] = new.astype(buffers[k][g].dtype)
         for (i, m), d in zip(members, dense, strict=True):
@@ -305,13 +296,11 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
                 new_p[i] = with_value(p_leaves[i], cast_like(m.of(new_v[n + j]), array_of(p_leaves[i])))
     for i, m in enumerate(marks):
         if isinstance(m, PackedSlot) and v_params[i] is not None:  # a sparse step: into its slices
-            new_p[i] = new_v[i]
             for k in names:
                 b = buffers[k][m.group]
                 value = array_of(new_state.slots[k][i]).reshape(-1).astype(b.dtype)
                 buffers[k][m.group] = jax.lax.dynamic_update_slice(b, value, (m.offset,))
-    for j, i in enumerate(owners):
-        if i != j and isinstance(marks[i], PackedSlot):
-            new_p[j] = new_p[i]  # a tied weight's one version, at every place
+    new_p = [new_p[i] if isinstance(marks[i], PackedSlot) else p  # a tied weight's one version, at every place
+             for p, i in zip(new_p, owners, strict=True)]
     slots = {**state._stored, **{k: PackedTree.build(p_def, new_stored[k], state._stored[k].layout) for k in names}}
     return p_def.unflatten(new_p), type(state)(slots, new_state.non_slots, {k: tuple(b) for k, b in buffers.items()})
