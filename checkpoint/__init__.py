@@ -19,7 +19,7 @@ from typing import Any as _Any
 from checkpoint._errors import CheckpointFormatError, DataLossError
 
 if _TYPE_CHECKING:
-    from checkpoint._checkpoint import Checkpoint, read_checkpoint
+    from checkpoint._checkpoint import Checkpoint, read_checkpoint, restore_arrays
     from checkpoint._export import Asset, export, load, register_revived_type
     from checkpoint._manager import CheckpointManager, StepAlreadyExistsError, latest_checkpoint
     from checkpoint._status import LoadStatus
@@ -28,7 +28,7 @@ if _TYPE_CHECKING:
     from checkpoint._tf._saved_model import read_saved_model
 
 _HOME = {name: module for module, names in {  # the module defining each public name, as imported above
-    "_checkpoint": ("Checkpoint", "read_checkpoint"),
+    "_checkpoint": ("Checkpoint", "read_checkpoint", "restore_arrays"),
     "_export": ("Asset", "export", "load", "register_revived_type"),
     "_manager": ("CheckpointManager", "StepAlreadyExistsError", "latest_checkpoint"),
     "_status": ("LoadStatus",),
@@ -53,6 +53,7 @@ __all__ = [
     "read_checkpoint",
     "read_saved_model",
     "register_revived_type",
+    "restore_arrays",
     "restore_by_name",
     "write_name_based",
 ]

@@ -50,6 +50,78 @@ def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
     return _storage.open_reader(path)
 
 
+def restore_arrays(path: str | os.PathLike, *, sharding: Any = None) -> dict[str, Any]:
+    """Reads every value of an object-based checkpoint into a nested dict by object-graph path, without templates.
+
+    For scripts without the model's code: ``(root).model.w`` is
+    ``arrays["model"]["w"]``. An optimizer's slot for a Variable is under the
+    optimizer, by slot name then by the Variable's path
+    (``arrays["optimizer"]["m"]["model"]["w"]``). An object holding several
+    values (a PRNG key and its implementation, say) is a dict by value name.
+
+    Args:
+        path: an orbax directory or a TF object-based prefix (anything
+            `read_checkpoint` opens).
+        sharding: None for numpy arrays; a `jax.sharding.Sharding` to place
+            every value on it with `jax.device_put`.
+
+    Returns:
+        The nested dict of arrays.
+
+    Raises:
+        ValueError: a name-based checkpoint (no object graph: read it with
+            `read_checkpoint`); two values at one path (a slot named as a
+            child of its optimizer).
+        FileNotFoundError: no checkpoint at `path`.
+        CheckpointFormatError: a corrupt file.
+
+    >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
+    >>> model = {"w": varstate.Variable(jnp.ones(2)), "b": jnp.zeros(1)}
+    >>> path = checkpoint.Checkpoint(model=model).write(os.path.join(tempfile.mkdtemp(), "c"))
+    >>> arrays = checkpoint.restore_arrays(path)
+    >>> arrays["model"]["w"].tolist(), sorted(arrays)
+    ([1.0, 1.0], ['model'])
+    """
+    reader = _storage.open_reader(path)
+    proto = reader.object_graph
+    if proto is None:
+        raise ValueError(f"checkpoint.restore_arrays: {os.fspath(path)!r} is a name-based checkpoint (no object "
+                         "graph); read its values by name with checkpoint.read_checkpoint(path).get(key).")
+    paths: dict[int, tuple[str, ...]] = {0: ()}
+    queue = [0]
+    for i in queue:  # breadth first, as TF names nodes: the first path to an object is its path
+        for ref in proto.nodes[i].children:
+            if ref.node_id not in paths:
+                paths[ref.node_id] = paths[i] + (ref.local_name,)
+                queue.append(ref.node_id)
+    for i, node in enumerate(proto.nodes):  # slots after the walk: a primary may sit deeper than its optimizer
+        for ref in node.slot_variables:
+            if i in paths and ref.original_variable_node_id in paths:
+                paths.setdefault(ref.slot_variable_node_id,
+                                 paths[i] + (ref.slot_name,) + paths[ref.original_variable_node_id])
+    out: dict[str, Any] = {}
+    for i, where in paths.items():
+        attributes = proto.nodes[i].attributes
+        for a in attributes:
+            value = reader.get(a.checkpoint_key)
+            if sharding is not None:
+                import jax
+
+                value = jax.device_put(value, sharding)
+            full = where if len(attributes) == 1 and a.name == _keys.VARIABLE_VALUE else (*where, a.name)
+            tree = out
+            for part in full[:-1]:
+                tree = tree.setdefault(part, {})
+                if not isinstance(tree, dict):
+                    break
+            if not isinstance(tree, dict) or full[-1] in tree:
+                raise ValueError(f"checkpoint.restore_arrays: two values at {'.'.join(('(root)', *full))} of "
+                                 f"{os.fspath(path)!r} (one is {a.checkpoint_key!r}); read them by key with "
+                                 "checkpoint.read_checkpoint(path).get(key).")
+            tree[full[-1]] = value
+    return out
+
+
 def check_format(format: str, where: str) -> None:
     if format not in ("orbax", "tf"):
         raise ValueError(f"{where}: unknown format {format!r}; expected 'orbax' or 'tf'.")

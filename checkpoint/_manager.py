@@ -110,11 +110,34 @@ def _commit_at_exit() -> None:
 
 def _as_step(step: Any, where: str) -> int:
     try:
+        if isinstance(step, bool):  # True would be step 1
+            raise TypeError
         step = operator.index(step)
     except TypeError:
-        raise ValueError(f"{where}: step must be an int, got {step!r}.") from None
+        raise ValueError(f"{where}: step must be an int, got {step!r} ({type(step).__name__}); pass the step "
+                         "number, e.g. 100.") from None
     if step < 0:
         raise ValueError(f"{where}: step must be >= 0, got {step}.")
+    return step
+
+
+def _check_bools(where: str, **options: Any) -> None:
+    for name, value in options.items():
+        if type(value) is not bool:  # "no" is truthy: it would turn the option on
+            raise TypeError(f"{where}: {name} must be a bool (True or False), got {value!r} "
+                            f"({type(value).__name__}); pass {name}={bool(value)!r} if that is what you mean.")
+
+
+_RESERVED = ("step", "overwrite", "metrics", "strict", "expect_partial")  # the parameters of save and restore
+
+
+def _step_of(step: Any, roots: dict[str, Any], where: str) -> Any:
+    """The step passed positionally or as ``step=``; a root cannot be named ``step``."""
+    if "step" in roots:
+        if step is not None:
+            raise ValueError(f"{where}: a root named 'step' collides with the parameter step (given as "
+                             f"{step!r}); rename the root, e.g. global_step=...")
+        step = roots.pop("step")
     return step
 
 
@@ -177,6 +200,7 @@ class CheckpointManager:
         packed: (orbax) as `Checkpoint.write`'s.
 
     Raises:
+        TypeError: an `async_save` or `packed` that is not a bool.
         ValueError: a `max_to_keep`, `keep_every_n_steps` or
             `save_interval_steps` that is not a positive int; a
             `checkpoint_name` with characters other than letters, digits and
@@ -223,6 +247,7 @@ class CheckpointManager:
         if best_mode not in ("max", "min"):
             raise ValueError(f"CheckpointManager: best_mode must be 'max' or 'min', got {best_mode!r}.")
         check_format(format, "CheckpointManager")
+        _check_bools("CheckpointManager", async_save=async_save, packed=packed)
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
         self.save_interval_steps = save_interval_steps
@@ -348,6 +373,46 @@ class CheckpointManager:
             steps.add(self._pending_step)
         return sorted(steps)
 
+    def best_step(self) -> int | None:
+        """The step of the best kept checkpoint by ``best_fn`` and ``best_mode`` (ties: the more recent).
+
+        Without ``best_fn`` nothing is ranked and it returns None: use
+        `latest_step`. Checkpoints without a score (saved without metrics,
+        or ``best_fn`` gave None or NaN) are never the best.
+
+        Returns:
+            The step (int), or None without ``best_fn`` or a scored checkpoint.
+
+        >>> import tempfile, jax.numpy as jnp, checkpoint
+        >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), best_fn=lambda m: m["loss"], best_mode="min")
+        >>> for step, loss in ((1, 0.5), (2, 0.2), (3, 0.4)):
+        ...     _ = mgr.save(step, metrics={"loss": loss}, w=jnp.zeros(2))
+        >>> mgr.best_step(), mgr.metrics(2)
+        (2, {'loss': 0.2})
+        """
+        sign = 1.0 if self._best_mode == "max" else -1.0
+        scored = [(sign * score, i, s) for i, s in enumerate(self._steps) if (score := self._scores.get(s)) is not None]
+        return max(scored)[2] if scored else None
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with the kept checkpoint of `step` (None if it was saved without).
+
+        Args:
+            step: the step of a kept checkpoint (see `all_steps`).
+
+        Returns:
+            A new ``{name: number}`` dict, or None.
+
+        Raises:
+            KeyError: no kept checkpoint of that step.
+        """
+        step = _as_step(step, "CheckpointManager.metrics")
+        if step not in self._steps:
+            raise KeyError(f"CheckpointManager.metrics: no kept checkpoint of step {step} in {self.directory!r}; "
+                           f"the kept steps are {sorted(self._steps)}. Ask for one of them (all_steps()).")
+        metrics = self._metrics_of(step)
+        return None if metrics is None else dict(metrics)
+
     def should_save(self, step: int) -> bool:
         """True if `step` is a multiple of ``save_interval_steps`` and not saved yet.
 
@@ -379,7 +444,8 @@ class CheckpointManager:
 
     # --- saving ---------------------------------------------------------------
     def save(
-        self, step: int, /, *, overwrite: bool = False, metrics: Mapping[str, Any] | None = None, **roots: Any
+        self, step: int | None = None, /, *, overwrite: bool = False, metrics: Mapping[str, Any] | None = None,
+        **roots: Any,
     ) -> str:
         """Writes ``ckpt-<step>``; returns its path (committed unless ``async_save``).
 
@@ -387,23 +453,27 @@ class CheckpointManager:
         checkpoints no longer kept (see the class docstring).
 
         Args:
-            step: the step (a non-negative int), the checkpoint's number and
-                its ``save_counter``.
+            step: the step (a non-negative int, positional or ``step=``), the
+                checkpoint's number and its ``save_counter``.
             overwrite: replace a checkpoint of that step; the previous one
                 stays readable (and the latest) until the new one is complete.
             metrics: ``{name: number}``, what `best_fn` ranks; kept beside
                 the state file.
-            **roots: the roots to save, as `Checkpoint(**roots)`. ``overwrite``
-                and ``metrics`` are keywords of `save`, so they cannot name roots.
+            **roots: the roots to save, as `Checkpoint(**roots)`. The names of
+                the parameters of `save` and `restore` (``step``,
+                ``overwrite``, ``metrics``, ``strict``, ``expect_partial``)
+                cannot name roots.
 
         Returns:
             The checkpoint's path (committed unless `async_save`).
 
         Raises:
             StepAlreadyExistsError: `step` is already saved and not `overwrite`.
-            ValueError: a step that is not a non-negative int; metrics that are
-                not ``{str: number}``; `best_fn` returning something other than
-                a number or None.
+            ValueError: a step that is not a non-negative int (a bool
+                included); a root named as a parameter of `save` or
+                `restore`; metrics that are not ``{str: number}``; `best_fn`
+                returning something other than a number or None.
+            TypeError: an `overwrite` that is not a bool.
 
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2, best_fn=lambda m: m["acc"])
@@ -412,7 +482,13 @@ class CheckpointManager:
         >>> mgr.all_steps()  # the two best, and the latest
         [2, 3, 4]
         """
-        step = _as_step(step, "CheckpointManager.save")
+        step = _as_step(_step_of(step, roots, "CheckpointManager.save"), "CheckpointManager.save")
+        _check_bools("CheckpointManager.save", overwrite=overwrite)
+        clash = [name for name in _RESERVED if name in roots]
+        if clash:
+            raise ValueError(f"CheckpointManager.save: a root named {clash[0]!r} collides with the parameter "
+                             f"{clash[0]} of CheckpointManager.restore, which could not restore it; rename the "
+                             f"root, e.g. {clash[0]}_=...")
         self.wait_until_finished()
         path = self._path(step)
         metrics = checked_metrics(metrics)
@@ -541,16 +617,23 @@ class CheckpointManager:
             raise error
 
     # --- restoring and closing ---------------------------------------------------
-    def restore(self, step: int | None = None, /, *, strict: bool = False, **templates: Any) -> LoadStatus:
+    def restore(
+        self, step: int | None = None, /, *, strict: bool = False, expect_partial: bool = False, **templates: Any
+    ) -> LoadStatus:
         """Restores `templates` from ``ckpt-<step>`` (default: the latest); see `Checkpoint.restore`.
 
         Waits for a pending asynchronous save first.
 
         Args:
-            step: the step to restore; None for the latest.
+            step: the step to restore (positional or ``step=``); None for the
+                latest.
             strict: as `Checkpoint.restore`'s: True raises ValueError unless
                 every value of the templates and every value in the checkpoint
                 matched.
+            expect_partial: the values in the checkpoint that the templates
+                leave out (the optimizer's, restoring the model alone) are left
+                out on purpose: no warning. Without it, one line is logged
+                naming the first and how many.
             **templates: the roots to restore into, by name, as saved.
 
         Returns:
@@ -559,7 +642,9 @@ class CheckpointManager:
         Raises:
             FileNotFoundError: no checkpoint saved yet (step None), or none of
                 that step.
-            ValueError: as `Checkpoint.restore`.
+            ValueError: as `Checkpoint.restore`; a template named ``step``
+                besides a positional step.
+            TypeError: a `strict` or `expect_partial` that is not a bool.
 
         >>> import tempfile, jax.numpy as jnp, checkpoint
         >>> mgr = checkpoint.CheckpointManager(tempfile.mkdtemp())
@@ -567,6 +652,8 @@ class CheckpointManager:
         >>> mgr.restore(w=jnp.zeros(2), strict=True).w.tolist()
         [1.0, 1.0]
         """
+        step = _step_of(step, templates, "CheckpointManager.restore")
+        _check_bools("CheckpointManager.restore", strict=strict, expect_partial=expect_partial)
         self.wait_until_finished()
         if step is None:
             path = self.latest_checkpoint
@@ -577,7 +664,8 @@ class CheckpointManager:
                 )
         else:
             path = self._locate(_as_step(step, "CheckpointManager.restore"))
-        return Checkpoint(**templates).restore(path, strict=strict)
+        status = Checkpoint(**templates).restore(path, strict=strict)
+        return status.expect_partial() if expect_partial else status
 
     def close(self) -> None:
         """Waits for a pending save and releases orbax's threads; a later `save` starts them again.

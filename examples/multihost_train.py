@@ -109,8 +109,8 @@ def _train(args: argparse.Namespace) -> int:
 
     manager = checkpoint.CheckpointManager(args.dir, max_to_keep=2)
     if manager.latest_checkpoint:
-        status = manager.restore(model=model, optimizer=state, step=step).assert_consumed()
-        model, state, step = status.model, status.optimizer, status.step
+        status = manager.restore(model=model, optimizer=state, global_step=step).assert_consumed()
+        model, state, step = status.model, status.optimizer, status.global_step
     first = int(step.value)
     chief = jax.process_index() == 0
     if chief:
@@ -120,7 +120,7 @@ def _train(args: argparse.Namespace) -> int:
         model, state = opt.apply_gradients(grads, model, state)  # one SPMD step over all processes
         step = step.assign_add(1)
         if (i + 1) % args.save_every == 0 or i + 1 == args.steps:
-            manager.save(i + 1, model=model, optimizer=state, step=step)
+            manager.save(i + 1, model=model, optimizer=state, global_step=step)
             if chief:
                 print(f"step {i + 1}: loss {float(loss):.4f}, saved {manager.latest_checkpoint}", flush=True)
     manager.close()

@@ -91,8 +91,13 @@ class RestoreState:
     def __del__(self) -> None:
         try:
             if not self.expect_partial and self.unresolved():
-                _log.warning("Some values in the checkpoint were not restored: %s. Call expect_partial() on the "
-                             "status if this is intended.", ", ".join(self.names[i] for i in self.unresolved()[:10]))
+                left = self.unresolved()
+                # a slot is named "<primary>'s state 'm' for <optimizer>": it is under the optimizer's root
+                roots = sorted({".".join(self.names[i].rsplit(" for ", 1)[-1].split(".")[:2]) for i in left})
+                _log.warning("Some values in the checkpoint were not restored: %s%s (under %s). Call "
+                             "expect_partial() on the status (CheckpointManager.restore: expect_partial=True) if "
+                             "this is intended.", self.names[left[0]],
+                             f" and {len(left) - 1} more" if len(left) > 1 else "", ", ".join(roots))
         except Exception:  # never raise from a finalizer
             pass
 

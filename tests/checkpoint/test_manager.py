@@ -213,13 +213,13 @@ def test_a_reopened_manager_keeps_the_saving_order_of_the_state_file(tmp_path):
     assert reopened.checkpoints == [str(tmp_path / "ckpt-20"), str(tmp_path / "ckpt-40")]
 
 
-def test_a_root_named_step(tmp_path):
-    # `step` (the checkpoint number) is positional-only, so a root may be called step, as in TF's Checkpoint.
+def test_a_step_root_is_named_otherwise(tmp_path):
+    # `step=` is the checkpoint's number (issue 24.1): a root holding the training step needs another name.
     mgr = checkpoint.CheckpointManager(str(tmp_path))
-    mgr.save(7, m=model(7), step=np.int64(7))
-    mgr.save(8, m=model(8), step=np.int64(8))
-    assert mgr.restore(step=np.int64(0)).expect_partial().step == 8
-    assert mgr.restore(7, step=np.int64(0)).expect_partial().step == 7
+    mgr.save(7, m=model(7), global_step=np.int64(7))
+    mgr.save(8, m=model(8), global_step=np.int64(8))
+    assert mgr.restore(global_step=np.int64(0)).expect_partial().global_step == 8
+    assert mgr.restore(7, global_step=np.int64(0)).expect_partial().global_step == 7
     mgr.close()
 
 
@@ -399,3 +399,114 @@ def test_manager_restore_strict(tmp_path):
     with pytest.raises(ValueError, match=r"strict=True\): Unresolved object in checkpoint \(root\)\.extra"):
         mgr.restore(1, m=template(), strict=True)
     assert mgr.restore(m=template()).m["w"].value.tolist() == [1.0] * 3  # TF's default: a partial match is fine
+
+
+# --- issue 24 items 1 and 7, issue 26 item 11 -----------------------------------
+def test_step_is_the_step_however_it_is_passed_and_no_root_is_named_as_a_parameter(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path))
+    assert mgr.save(step=10, w=jnp.full(2, 10.0)) == str(tmp_path / "ckpt-10")
+    mgr.save(20, w=jnp.full(2, 20.0))
+    assert mgr.restore(step=10, w=jnp.zeros(2)).w.tolist() == [10.0, 10.0]
+    assert mgr.restore(10, w=jnp.zeros(2)).w.tolist() == [10.0, 10.0]
+    with pytest.raises(ValueError) as e:
+        mgr.save(30, step=jnp.int32(3), w=jnp.zeros(2))
+    assert str(e.value) == ("CheckpointManager.save: a root named 'step' collides with the parameter step (given as "
+                            "30); rename the root, e.g. global_step=...")
+    for name in ("strict", "expect_partial"):
+        with pytest.raises(ValueError) as e:
+            mgr.save(30, **{name: jnp.zeros(2)})
+        assert str(e.value) == (f"CheckpointManager.save: a root named {name!r} collides with the parameter {name} "
+                                f"of CheckpointManager.restore, which could not restore it; rename the root, e.g. "
+                                f"{name}_=...")
+    with pytest.raises(ValueError, match=r"^CheckpointManager.restore: a root named 'step' collides with the "
+                                         r"parameter step \(given as 10\)"):
+        mgr.restore(10, step=jnp.int32(0))
+    assert mgr.all_steps() == [10, 20]
+
+
+def test_options_must_be_bools_and_steps_ints_not_bools(tmp_path):
+    for name in ("async_save", "packed"):
+        with pytest.raises(TypeError) as e:
+            checkpoint.CheckpointManager(str(tmp_path), **{name: "no"})
+        assert str(e.value) == (f"CheckpointManager: {name} must be a bool (True or False), got 'no' (str); pass "
+                                f"{name}=True if that is what you mean.")
+    mgr = checkpoint.CheckpointManager(str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        mgr.save(True, w=jnp.zeros(2))
+    assert str(e.value) == ("CheckpointManager.save: step must be an int, got True (bool); pass the step number, "
+                            "e.g. 100.")
+    with pytest.raises(TypeError, match=r"^CheckpointManager.save: overwrite must be a bool"):
+        mgr.save(1, overwrite=1, w=jnp.zeros(2))
+    with pytest.raises(TypeError, match=r"^CheckpointManager.restore: strict must be a bool"):
+        mgr.restore(strict="yes", w=jnp.zeros(2))
+    assert os.listdir(tmp_path) == []
+
+
+def test_best_step_and_metrics(tmp_path):
+    mgr = checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    assert mgr.best_step() is None
+    mgr.save(1, w=jnp.zeros(2))  # no metrics: no score
+    assert mgr.best_step() is None and mgr.metrics(1) is None
+    for step, loss in ((2, 0.3), (3, 0.1), (4, 0.1), (5, 0.9)):
+        mgr.save(step, metrics={"loss": loss}, w=jnp.zeros(2))
+    assert mgr.all_steps() == [3, 4, 5]
+    assert mgr.best_step() == 4  # ties go to the more recent
+    assert mgr.metrics(3) == {"loss": 0.1}
+    assert checkpoint.CheckpointManager(str(tmp_path), best_fn=lambda m: m["loss"], best_mode="min").best_step() == 4
+    assert checkpoint.CheckpointManager(str(tmp_path)).best_step() is None  # without best_fn nothing is ranked
+    with pytest.raises(KeyError) as e:
+        mgr.metrics(2)
+    assert e.value.args[0] == (f"CheckpointManager.metrics: no kept checkpoint of step 2 in {str(tmp_path)!r}; the "
+                               "kept steps are [3, 4, 5]. Ask for one of them (all_steps()).")
+
+
+def adam_manager(tmp_path):
+    from varstate.optimizers import Adam
+
+    model = {"w": varstate.Variable(jnp.array([1.0, 2.0])), "b": varstate.Variable(jnp.array([3.0]))}
+    opt = Adam(0.1)
+    model, state = opt.apply_gradients({"w": jnp.ones(2), "b": jnp.ones(1)}, model, opt.init(model))
+    mgr = checkpoint.CheckpointManager(str(tmp_path))
+    mgr.save(7, model=model, optimizer=state)
+    return mgr, model, state
+
+
+def test_restoring_the_model_alone_logs_one_line_or_nothing_with_expect_partial(tmp_path, caplog):
+    import gc
+    import logging
+
+    mgr, model, _ = adam_manager(tmp_path)
+    gc.collect()
+    fresh = {"w": varstate.Variable(jnp.zeros(2)), "b": varstate.Variable(jnp.zeros(1))}
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        mgr.restore(model=fresh)
+        gc.collect()
+        assert [r.getMessage() for r in caplog.records] == [
+            "Some values in the checkpoint were not restored: (root).optimizer.beta1_power and 5 more (under "
+            "(root).optimizer). Call expect_partial() on the status (CheckpointManager.restore: "
+            "expect_partial=True) if this is intended."]
+        caplog.clear()
+        restored = mgr.restore(model=fresh, expect_partial=True).model["w"].value
+        np.testing.assert_array_equal(restored, model["w"].value)
+        gc.collect()
+        assert caplog.text == ""
+
+
+def test_restore_arrays_reads_a_checkpoint_without_templates(tmp_path):
+    import jax
+
+    mgr, model, state = adam_manager(tmp_path)
+    arrays = checkpoint.restore_arrays(mgr.latest_checkpoint)
+    assert sorted(arrays) == ["model", "optimizer", "save_counter"]
+    assert isinstance(arrays["model"]["w"], np.ndarray)
+    np.testing.assert_array_equal(arrays["model"]["w"], model["w"].value)
+    np.testing.assert_array_equal(arrays["optimizer"]["m"]["model"]["b"], state.get_slot(model["b"], "m").value)
+    assert int(arrays["save_counter"]) == 7
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    placed = checkpoint.restore_arrays(mgr.latest_checkpoint, sharding=sharding)
+    assert placed["model"]["w"].sharding == sharding
+    prefix = checkpoint.write_name_based(str(tmp_path / "tf1"), {"w": np.ones(2, np.float32)})
+    with pytest.raises(ValueError) as e:
+        checkpoint.restore_arrays(prefix)
+    assert str(e.value) == (f"checkpoint.restore_arrays: {prefix!r} is a name-based checkpoint (no object graph); "
+                            "read its values by name with checkpoint.read_checkpoint(path).get(key).")

@@ -28,4 +28,4 @@ def test_multihost_example_trains_saves_and_resumes(tmp_path):
     assert "starting at step 10" in second and "step 15: loss" in second
     assert sorted(n for n in os.listdir(directory) if n.startswith("ckpt-")) == ["ckpt-10", "ckpt-15"]
     reader = checkpoint.read_checkpoint(checkpoint.latest_checkpoint(directory))
-    assert int(reader.get("step/.ATTRIBUTES/VARIABLE_VALUE")) == 15
+    assert int(reader.get("global_step/.ATTRIBUTES/VARIABLE_VALUE")) == 15
