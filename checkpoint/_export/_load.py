@@ -5,8 +5,9 @@ the SavedObjectGraph (registered types through `register_revived_type`),
 values come from the TensorBundle, functions through `jax.export.deserialize`
 after their sha256 is checked against the ExportDef. A loaded signature does
 run the compiled code in its file; before it can, `read_function` refuses
-custom calls outside jax.export's own allow-list (an unknown target can crash
-the process), and every file read is a regular file of bounded size.
+custom calls outside jax.export's own allow-list in the function and in its
+VJPs (an unknown target can crash the process), and every file read is a
+regular file of bounded size.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -45,6 +46,7 @@ from checkpoint.protos import saved_object_graph_pb2 as pb
 from varstate import Registry, Variable, VariableAggregation, VariableSynchronization, _seam
 
 _log = logging.getLogger("checkpoint")
+MAX_VJP_ORDER = 8  # VJPs of a loaded function checked and accepted; jax.export serializes as many as asked
 
 
 class RevivedObject:
@@ -229,7 +231,12 @@ def _file_kind(mode: int) -> str:
 
 
 def read_function(directory: str, definition: pb.ExportDef, name: str, label: str) -> jax.export.Exported:
-    """Signature `label`'s function `name` deserialized, once its file, sha256 and custom calls are checked."""
+    """Signature `label`'s function `name` deserialized, once its file, sha256 and custom calls are checked.
+
+    The custom calls of every function the file carries are checked: the
+    function and its VJPs (``Exported.vjp()``) to the last order serialized,
+    which may be at most `MAX_VJP_ORDER`; a file with more is refused.
+    """
     if not FUNCTION_NAME.fullmatch(name):  # a name from the file: it must stay one file name under functions/
         raise CheckpointFormatError(f"{os.path.join(directory, EXPORT_FILE)}: signature {label!r} names function "
                                     f"{name!r}, which is not a function file name ([A-Za-z0-9_]+); refusing it.")
@@ -238,20 +245,33 @@ def read_function(directory: str, definition: pb.ExportDef, name: str, label: st
     if hashlib.sha256(data).digest() != definition.function_sha256.get(name):
         raise CheckpointFormatError(f"{path}: the function file does not match its sha256 in {EXPORT_FILE} "
                                     "(it was modified or is corrupt); export the model again.")
-    try:
-        exported = jax.export.deserialize(bytearray(data))
-    except (ValueError, TypeError, IndexError, struct.error) as e:
-        raise CheckpointFormatError(f"{path}: jax.export cannot deserialize it ({e}).") from e
     stable = _jax_private.stable_custom_call_targets()
-    # The file's own disabled_safety_checks are not honoured: the file is what is being checked.
-    unknown = sorted({t for t in custom_call_targets(exported, path) if t not in stable})
-    if unknown:
-        raise CheckpointFormatError(
-            f"{path}: signature {label!r} calls XLA custom call target(s) {unknown}, which jax.export does not "
-            f"accept without a disabled safety check (JAX {jax.__version__} accepts {len(stable)} stable targets); "
-            "load refuses it before anything runs, as calling an unknown target can crash the process. Export the "
-            "function again without custom calls outside that list.")
-    return exported
+    # The file carries the function and its VJPs to the order it was serialized with; jax runs a VJP when the
+    # loaded signature is differentiated, so each is checked here, before anything runs.
+    exported = function = _deserialize(path, lambda: jax.export.deserialize(bytearray(data)), "it")
+    for order in range(MAX_VJP_ORDER + 1):
+        what = f" (its VJP of order {order})" if order else ""
+        # The file's own disabled_safety_checks are not honoured: the file is what is being checked.
+        unknown = sorted({t for t in custom_call_targets(function, path) if t not in stable})
+        if unknown:
+            raise CheckpointFormatError(
+                f"{path}: signature {label!r}{what} calls XLA custom call target(s) {unknown}, which jax.export does "
+                f"not accept without a disabled safety check (JAX {jax.__version__} accepts {len(stable)} stable "
+                "targets); load refuses it before anything runs, as calling an unknown target can crash the process. "
+                "Export the function again without custom calls outside that list.")
+        if not function.has_vjp():
+            return exported
+        function = _deserialize(path, function.vjp, f"the VJP of order {order + 1} of signature {label!r}")
+    raise CheckpointFormatError(
+        f"{path}: signature {label!r} carries VJPs past order {MAX_VJP_ORDER}, the most load accepts; export the "
+        f"function again serialized with vjp_order at most {MAX_VJP_ORDER}.")
+
+
+def _deserialize(path: str, deserialize: Callable[[], jax.export.Exported], what: str) -> jax.export.Exported:
+    try:
+        return deserialize()
+    except (ValueError, TypeError, IndexError, struct.error) as e:
+        raise CheckpointFormatError(f"{path}: jax.export cannot deserialize {what} ({e}).") from e
 
 
 def custom_call_targets(exported: jax.export.Exported, where: str) -> list[str]:

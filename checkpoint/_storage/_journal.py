@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from checkpoint._errors import CheckpointFormatError
-from checkpoint._storage._files import replacing, sync_directory
+from checkpoint._storage._files import read_regular, replacing, sync_directory
 from checkpoint._storage._publish import MANAGER_FILE, exists
 
 _JOURNAL_FORMAT = "varstate-checkpoint-manager"
@@ -61,15 +61,15 @@ class Journal:
         self.path = os.path.join(directory, MANAGER_FILE)
         self.metrics: dict[str, dict[str, Any]] = {}
         self.saving: dict[str, dict[str, Any]] = {}
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read(_JOURNAL_LIMIT + 1)
+        try:  # a regular file of bounded size: a FIFO or a device in its place must not block or fill memory
+            raw = read_regular(self.path, _JOURNAL_LIMIT, "the CheckpointManager journal")
         except FileNotFoundError:
             return
         try:
-            if len(text) > _JOURNAL_LIMIT:
-                raise ValueError(f"larger than {_JOURNAL_LIMIT} bytes")
-            data = json.loads(text)
+            try:
+                data = json.loads(raw.decode("utf-8"))
+            except RecursionError:  # json recurses once per level: a hostile file chooses the depth
+                raise ValueError("it nests too deeply; a journal nests 3 levels") from None
             if not isinstance(data, dict) or data.get("format") != _JOURNAL_FORMAT:
                 raise ValueError(f"expected an object with format {_JOURNAL_FORMAT!r}")
             if type(data.get("version")) is not int or data["version"] > 1:
@@ -86,7 +86,7 @@ class Journal:
                         entry.get("replaces", False)) is not bool:
                     raise ValueError(f"the save in flight {name!r} is not {{'since': time, 'metrics': ..., "
                                      "'replaces': bool}")
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError among them
             raise CheckpointFormatError(
                 f"{self.path}: not a CheckpointManager file ({e}). Delete it to forget the metrics; the "
                 "checkpoints themselves are unaffected."

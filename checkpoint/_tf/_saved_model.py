@@ -269,8 +269,13 @@ def _node(i: int, node, path: str | None, meta, assets_dir: str, pb_path: str) -
 
 
 def _asset_file(assets_dir: str, filename: str, pb_path: str, path: str | None) -> str:
-    # A file name read from the SavedModel must name a file inside its assets/ directory, never outside.
-    root = os.path.realpath(assets_dir)
+    # A file name read from the SavedModel must name a file inside its assets/ directory, never outside; and
+    # assets/ itself must not lead out (a link to /etc would hand out any file on this machine as an asset).
+    model, root = os.path.realpath(os.path.dirname(assets_dir)), os.path.realpath(assets_dir)
+    if os.path.commonpath([model, root]) != model or root == model:
+        raise CheckpointFormatError(f"{pb_path}: asset {path!r}: the assets directory {assets_dir} is a symbolic link "
+                                    f"to {root}, outside the SavedModel {model}, which read_saved_model refuses (as "
+                                    "checkpoint.load does); copy the files themselves into assets/")
     target = os.path.realpath(os.path.join(assets_dir, filename))
     if not filename or os.path.isabs(filename) or os.path.commonpath([root, target]) != root or target == root:
         raise CheckpointFormatError(f"{pb_path}: asset {path!r} names file {filename!r}, which is not inside "
