@@ -323,6 +323,10 @@ class CheckpointManager:
             ) from None
         return None if math.isnan(value) else value
 
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, steps={self._steps}, max_to_keep={self.max_to_keep}, "
+                f"async_save={self._async})")
+
     # --- what is saved --------------------------------------------------------
     @property
     def checkpoints(self) -> list[str]:

@@ -52,6 +52,10 @@ class LoadStatus:
             return roots[name]
         raise AttributeError(f"LoadStatus has no restored root {name!r}; it has {sorted(roots)}.")
 
+    def __repr__(self) -> str:
+        st = self._state
+        return f"LoadStatus(roots={sorted(self._roots)}, matched={len(st.matched)}, unmatched={len(st.unmatched)})"
+
     @property
     def roots(self) -> dict[str, Any]:
         """The restored roots by name."""

@@ -26,7 +26,7 @@ from varstate._partition import (
     variable_axis_size_partitioner,
 )
 from varstate._registry import Registry, name_scope
-from varstate._values import values, with_values
+from varstate._values import tree_map, values, with_values
 from varstate._variable import (
     DonatedVariableError,
     ResourceHandle,
@@ -66,6 +66,7 @@ __all__ = [
     "name_scope",
     "nnx",
     "optimizers",
+    "tree_map",
     "uninitialized",
     "values",
     "variable_axis_size_partitioner",

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from varstate._variable import Variable
+from varstate._variable import Variable, _from_parts
 
 
 def _is_var(x: Any) -> bool:
@@ -69,3 +69,69 @@ def with_values(template: Any, arrays: Any) -> Any:
         ) from None
     return t_def.unflatten([t.assign(a) if isinstance(t, Variable) else a for t, a in zip(t_leaves, a_leaves,
                                                                                           strict=True)])
+
+
+def tree_map(f: Any, tree: Any, *rest: Any) -> Any:
+    """`jax.tree.map` over trees of one structure whose Variables differ in identity (two models, say).
+
+    `jax.tree.map(f, model_a, model_b)` raises, as a Variable's identity is part
+    of its tree structure (and `jit` relies on that); this pairs Variables by
+    position instead, and gives back the first tree's identities.
+
+    Args:
+        f: called with one leaf from each tree: for a Variable, its value; any
+            other leaf as `jax.tree.map` gives it.
+        tree: a pytree; its Variables' identities (resource id, name) are kept.
+        *rest: pytrees of `tree`'s structure, with Variables where `tree` has
+            them (any identities).
+
+    Returns:
+        `tree`'s structure, each Variable a new version of itself holding
+        `f`'s result (unchecked, as with `jax.tree.map`), `f`'s result in
+        place of every other leaf.
+
+    Raises:
+        ValueError: a tree in `rest` differs from `tree` other than in its
+            Variables' identities; the message names the first difference.
+
+    >>> import jax.numpy as jnp, varstate
+    >>> a = {"w": varstate.Variable(jnp.ones(2), name="w"), "n": 1}
+    >>> b = {"w": varstate.Variable(jnp.full(2, 3.0), name="w"), "n": 2}
+    >>> avg = varstate.tree_map(lambda x, y: (x + y) / 2, a, b)
+    >>> avg["w"].name, avg["w"].value.tolist(), avg["n"]
+    ('w', [2.0, 2.0], 1.5)
+    """
+    flat, t_def = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)
+    columns = [[x for _, x in flat]]
+    for i, other in enumerate(rest):
+        o_flat, o_def = jax.tree_util.tree_flatten_with_path(other, is_leaf=_is_var)
+        difference = _first_difference(flat, o_flat, t_def, o_def, f"`rest[{i}]`")
+        if difference:
+            raise ValueError(
+                f"varstate.tree_map: `rest[{i}]` does not have the first tree's structure: {difference}. "
+                "Pass trees of one structure, with Variables in the same places (their identities may differ)."
+            )
+        columns.append([x for _, x in o_flat])
+    out = []
+    for xs in zip(*columns, strict=True):
+        if _is_var(xs[0]):
+            out.append(_from_parts(f(*(x.value for x in xs)), xs[0].handle))
+        else:
+            out.append(f(*xs))
+    return t_def.unflatten(out)
+
+
+def _first_difference(flat: list, o_flat: list, t_def: Any, o_def: Any, other: str) -> str:
+    keystr = jax.tree_util.keystr
+    for (path, x), (o_path, o_x) in zip(flat, o_flat, strict=False):  # unequal lengths: below
+        if path != o_path:
+            return f"the first tree has a leaf at tree{keystr(path)} where {other} has one at tree{keystr(o_path)}"
+        if _is_var(x) != _is_var(o_x):
+            kinds = [type(y).__name__ if not _is_var(y) else "Variable" for y in (x, o_x)]
+            return f"at tree{keystr(path)} the first tree has a {kinds[0]}, {other} a {kinds[1]}"
+    if len(flat) != len(o_flat):
+        extra = keystr((flat if len(flat) > len(o_flat) else o_flat)[min(len(flat), len(o_flat))][0])
+        return f"the first tree has {len(flat)} leaves, {other} {len(o_flat)} (the first extra at tree{extra})"
+    if t_def != o_def:
+        return f"the containers differ: {t_def} versus {o_def}"
+    return ""

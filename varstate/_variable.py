@@ -633,6 +633,9 @@ class Variable(_ArrayOps):
         return self.shape[0]
 
     def __repr__(self) -> str:
+        if not (hasattr(self._value, "shape") and hasattr(self._value, "dtype")):
+            # jax.tree.map(f, params) keeps the Variables around whatever f returns (a mask's bools, labels...).
+            return f"<varstate.Variable {self.name!r} value={self._value!r}>"
         head = f"<varstate.Variable {self.name!r} shape={self.shape} dtype={self.dtype}"
         if not self.is_initialized:
             return head + " (uninitialized)>"

@@ -61,8 +61,13 @@ class OptimizerState:
         raise AttributeError(f"OptimizerState is immutable: use state.replace({name}=...) for a new one.")
 
     def __repr__(self) -> str:
-        fused = f", packed={ {n: [b.shape for b in bs] for n, bs in self.packed.items()} }" if self.packed else ""
-        return f"OptimizerState(slots={self.slots!r}, non_slots={self.non_slots!r}{fused})"
+        # Counts, not values: a model's worth of slot Variables would print for pages.
+        counts = {n: sum(x is not None for x in (t.leaves() if isinstance(t, _packed.PackedTree) else
+                                                  jax.tree.leaves(t, is_leaf=_packed.is_slot_leaf)))
+                  for n, t in self._stored.items()}
+        packed = {n: [b.shape for b in bs] for n, bs in self.packed.items()} if self.packed else None
+        fused = f"packed={packed}" if packed else "fused=False"
+        return f"OptimizerState(slots={counts}, non_slots={sorted(self.non_slots)}, {fused})"
 
     @property
     def slots(self) -> dict[str, Any]:
