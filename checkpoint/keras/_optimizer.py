@@ -319,7 +319,8 @@ def _load_h5(where: str, optimizer: KerasOptimizer, params: Any):
         keys = sorted(group.keys(), key=lambda k: (len(k), k))
         if keys != [str(i) for i in range(len(order))]:
             raise _count_error(f"{where}: {group_path}", len(keys), optimizer, len(idx), order)
-        values = [_read._read_dataset(group[str(n)], f"{where}: {group_path}/{n}") for n in range(len(order))]
+        budget = _read._SizeBudget(f)
+        values = [_read._read_dataset(group[str(n)], f"{where}: {group_path}/{n}", budget) for n in range(len(order))]
     return params, _state_from(optimizer.init(params), idx, where, (
         (name, p, value, f"{group_path}/{n} ({name})" if p is None else f"{group_path}/{n} ({name} of variable {p})")
         for n, ((name, p), value) in enumerate(zip(order, values, strict=True))))

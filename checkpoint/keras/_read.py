@@ -30,6 +30,8 @@ _OPTIMIZER = "optimizer"
 # ratio is bounded, so a crafted file cannot make a read allocate gigabytes from a few stored bytes.
 _BOMB_FLOOR_BYTES = 64 << 20
 _BOMB_MAX_RATIO = 1024
+# Datasets each under that bound still add up: the whole file may declare at most the floor plus the ratio times
+# the HDF5 file's size (an honest uncompressed file declares less than its size; gzip expands at most ~1032x).
 _MAX_DEPTH = 100  # groups (HDF5) or object-graph levels; a real Keras model nests a handful
 
 _KERNEL_BIAS = {1: ("kernel",), 2: ("kernel", "bias")}
@@ -180,6 +182,21 @@ def _open_archive(path: str) -> Iterator[Any]:
         yield f
 
 
+class _SizeBudget:
+    """The bytes one HDF5 file's datasets may still declare (see `_BOMB_FLOOR_BYTES`), taken as they are read."""
+
+    def __init__(self, f) -> None:
+        self.total = self.left = _BOMB_FLOOR_BYTES + _BOMB_MAX_RATIO * f.id.get_filesize()
+
+    def take(self, declared: int, where: str) -> None:
+        self.left -= declared
+        if self.left < 0:
+            raise CheckpointFormatError(
+                f"{where} takes what the file's datasets declare past {self.total} bytes in all ({_BOMB_MAX_RATIO}x "
+                f"the file's size plus {_BOMB_FLOOR_BYTES}); refusing to expand them (a damaged or crafted file)"
+            )
+
+
 def _decode(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
@@ -245,7 +262,11 @@ def load_weights(
         TypeError: `path` is not a string or path.
         FileNotFoundError: nothing readable at `path`.
         CheckpointFormatError: a file that is not Keras weights, or is corrupt
-            or hostile (naming the file and the group or key).
+            or hostile (naming the file and the group or key); an HDF5 file
+            whose datasets declare more than 64 MiB plus 1024 times the file's
+            size in all (values it does not store); a dataset wider than 64
+            bits (``float128``) or with a null dataspace. Big-endian datasets
+            are read as their values, in native byte order.
         ValueError: an int64 value out of int32's range while JAX's 64-bit
             types are off; a TF checkpoint with no Keras model at `node`.
 
@@ -289,6 +310,8 @@ class _Keras3Reader:
         self.f, self.where, self.names, self.registry = f, where, names, registry
         self.tree: dict = {}
         self.layout: list[LayerLayout] = []
+        self.groups: dict[tuple[str, ...], str] = {}  # each layer's path -> its group, to find twins in linear time
+        self.budget = _SizeBudget(f)
 
     def read(self) -> KerasWeights:
         root_vars = self._child(self.f, _VARS, "")
@@ -332,11 +355,12 @@ class _Keras3Reader:
         if isinstance(own, self.h5py.Group):
             layer_name = _decode(own.attrs.get("name", group_path.rsplit("/", 1)[-1]))
             path = (*parent, layer_name)
-            if any(lay.path == path for lay in self.layout):
+            if path in self.groups:
                 raise CheckpointFormatError(
                     f"{self.where}: two layers are both named {'/'.join(path)!r} (groups {group_path} and "
-                    f"{next(lay.group for lay in self.layout if lay.path == path)})"
+                    f"{self.groups[path]})"
                 )
+            self.groups[path] = group_path
             self._own(own, path, layer_name, group_path)
         # A group without 'vars' is a container (a list or dict of layers): its layers belong to `parent`.
         for name, child in self._groups(group, group_path):
@@ -391,22 +415,29 @@ class _Keras3Reader:
             raise CheckpointFormatError(f"{where} is a group; Keras stores each weight as a dataset")
         if ds.is_virtual or ds.external:
             raise CheckpointFormatError(f"{where} keeps its data outside this file, which is not read")
-        return _read_dataset(ds, where)
+        return _read_dataset(ds, where, self.budget)
 
 
-def _read_dataset(ds, where: str) -> np.ndarray:
+def _read_dataset(ds, where: str, budget: _SizeBudget) -> np.ndarray:
+    """A dataset's value in native byte order; `budget` bounds what the file's datasets declare in all."""
     bf16 = _decode(ds.attrs.get("dtype", "")) == "bfloat16"
     dtype = ds.dtype
-    if not (dtype.kind in "biufc" or (bf16 and dtype.itemsize == 2)):
-        raise CheckpointFormatError(f"{where} has dtype {dtype}; Keras weights are numbers")
-    declared = math.prod(ds.shape or ()) * dtype.itemsize  # a shape of None (no data) counts one item: never too big
+    # float128 / complex256 (long doubles) have no JAX type.
+    wide = dtype.itemsize > {"f": 8, "c": 16}.get(dtype.kind, 8)
+    if not (dtype.kind in "biufc" or (bf16 and dtype.itemsize == 2)) or wide:
+        raise CheckpointFormatError(f"{where} has dtype {dtype}; Keras weights are numbers of at most 64 bits")
+    if ds.shape is None:
+        raise CheckpointFormatError(f"{where} has a null dataspace (no value); Keras stores every weight with a shape")
+    declared = math.prod(ds.shape) * dtype.itemsize
     stored = ds.id.get_storage_size()
     if declared > _BOMB_FLOOR_BYTES and declared > _BOMB_MAX_RATIO * stored:
         raise CheckpointFormatError(
             f"{where} declares {declared} bytes but stores {stored}; refusing to expand it (a damaged or crafted "
             "file). Rewrite the weights without compression."
         )
+    budget.take(declared, where)
     value = np.asarray(ds[()])
+    value = value if value.dtype.isnative else value.astype(value.dtype.newbyteorder("="))  # big-endian files
     return value.view(jnp.bfloat16) if bf16 else value
 
 
@@ -424,6 +455,7 @@ def _read_legacy(root, where: str, registry) -> KerasWeights:
     h5py = _h5py()
     tree: dict = {}
     layout: dict[tuple[str, ...], list[str]] = {}
+    budget = _SizeBudget(root.file)
     for layer_name in (_decode(n) for n in root.attrs["layer_names"]):
         if layer_name not in root:
             raise CheckpointFormatError(f"{where}: layer {layer_name!r} is listed in layer_names but has no group")
@@ -442,7 +474,7 @@ def _read_legacy(root, where: str, registry) -> KerasWeights:
             ds = group[weight]
             if not isinstance(ds, h5py.Dataset) or ds.is_virtual or ds.external:
                 raise CheckpointFormatError(f"{where}: {layer_name}/{weight} is not a dataset stored in this file")
-            value = _read_dataset(ds, f"{where}: {layer_name}/{weight}")
+            value = _read_dataset(ds, f"{where}: {layer_name}/{weight}", budget)
             _insert(tree, path, _variable(value, path, registry, f"{where}:{layer_name}/{weight}"), where)
             layout.setdefault(path[:-1], []).append(path[-1])
     return _without_groups(tree, layout, where)
