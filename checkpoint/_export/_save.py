@@ -78,8 +78,9 @@ def export(directory: str | os.PathLike, root: Any,
         FileExistsError: `directory` exists and is not empty.
         TypeError: `root` is not a container; a signature that is not
             ``(fn, example_args)`` or whose name is not a non-empty string.
-        ValueError: a child named ``signatures`` (reserved), or a
-            `PartitionedVariable` (not supported).
+        ValueError: a child named ``signatures`` (reserved), a
+            `PartitionedVariable` (not supported), or two Variables with one
+            name (from different registries; `load` keeps names exactly).
         FileNotFoundError: an `Asset`'s file is missing.
 
     >>> import os, tempfile, jax, jax.numpy as jnp, varstate, checkpoint
@@ -108,10 +109,13 @@ def export(directory: str | os.PathLike, root: Any,
     graph = _graph.build(kids)
     saved = pb.SavedObjectGraph()
     by_key = {s.key: s for s in graph.saveables}
+    path_of_name: dict[str, str] = {}
     for i, node in enumerate(graph.proto.nodes):
         out = saved.nodes.add(children=node.children, slot_variables=node.slot_variables)
         if node.attributes:
             _describe_value(out, by_key[node.attributes[0].checkpoint_key], graph.paths[i])
+            if out.WhichOneof("kind") == "variable":
+                _check_name_unique(path_of_name, out.variable.name, graph.paths[i])
         else:
             _describe_container(out, graph.objects[i] if i else stripped)
     # Replaces an empty directory, or none; never leaves a half export there.
@@ -141,6 +145,16 @@ def _describe_value(out: pb.SavedObject, s: _graph.Saveable, path: str) -> None:
     v.trainable, v.name = var.trainable, var.name
     v.synchronization = int(var.synchronization)  # type: ignore[assignment]  # the proto's enum: TF's, same values
     v.aggregation = int(var.aggregation)  # type: ignore[assignment]  # the proto's enum: TF's, same values
+
+
+def _check_name_unique(path_of_name: dict[str, str], name: str, path: str) -> None:
+    """Refuses a second Variable named `name`: `load` keeps names exactly, and one registry holds each name once."""
+    first = path_of_name.setdefault(name, path)
+    if first != path:
+        raise ValueError(f"export: {first!r} and {path!r} are Variables both named {name!r} (made in different "
+                         "registries); expected each exported Variable's name once, found it twice, and load would "
+                         f"have to rename the second {name + '_1'!r}. Give one of them another name "
+                         "(Variable(..., name=...)) or make both in one registry, which names the second itself.")
 
 
 def _describe_container(out: pb.SavedObject, obj: Any, identifier: str | None = None) -> None:

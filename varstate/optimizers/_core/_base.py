@@ -194,7 +194,8 @@ class Optimizer:
 
         Raises:
             ValueError: a kept slot's shape or dtype does not fit its param
-                (naming both), or a param is uninitialized.
+                (naming both), a param is uninitialized, or a plain-array
+                param stands where the state holds a Variable's slots.
             TypeError: a `stepped` leaf is not a bool.
 
         >>> import jax.numpy as jnp, varstate
@@ -404,6 +405,9 @@ class Optimizer:
 
         Raises:
             TypeError: as `update`.
+            ValueError: a param that was a Variable when `state` was made is
+                a plain array now (its slots would be lost); keep the
+                Variable (`v.assign(...)`, `varstate.with_values`).
 
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Adam

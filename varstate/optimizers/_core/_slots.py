@@ -90,6 +90,33 @@ def param_want(p: Any) -> tuple:
     return tuple(v.shape), v.dtype
 
 
+def became_array(where: str, slot_name: str, slot: Variable, label: str, p: Any) -> ValueError:
+    """The error for a param that was a Variable when its state was made and is a plain array now."""
+    v = array_of(p)
+    return ValueError(
+        f"{where}: {label} is a plain array ({v.dtype}{list(v.shape)}), but the state holds the slot {slot_name!r} "
+        f"{slot.name!r} of a Variable there: expected that Variable, found an array, so the step and the checkpoint "
+        "would go on without its slots. Change a Variable's value and keep the Variable: `v.assign(v * 2)`, or "
+        "`varstate.with_values(params, new_arrays)` for a tree."
+    )
+
+
+def refuse_params_became_arrays(params: Any, state: Any) -> None:
+    """`became_array` for the first plain-array param whose place in `state` holds a slot Variable.
+
+    Run when a step's plan is built (once per structure), before the trace.
+    """
+    flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
+    for name, tree in getattr(state, "slots", {}).items():
+        try:
+            slots = p_def.flatten_up_to(tree)
+        except (ValueError, TypeError):
+            continue  # another structure: check_slots reports it
+        for (path, p), s in zip(flat, slots, strict=True):
+            if not isinstance(p, Variable) and isinstance(s, Variable):
+                raise became_array("apply_gradients", name, s, path_label(path, p), p)
+
+
 def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list, owners: list[int], want) -> dict:
     """{slot name: the slot leaves in params' order}, checked while the step is traced.
 
@@ -129,7 +156,9 @@ def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list,
                     held = f"the slot of another variable ({s.name!r})" if isinstance(s, Variable) else (
                         "nothing" if s is None else "a plain array")
                     raise mismatch(f"no slot {n!r} for {label}: the state holds {held} there.")
-            elif s is None or isinstance(s, Variable):
+            elif isinstance(s, Variable):
+                raise became_array("apply_gradients", n, s, label, p)
+            elif s is None:
                 raise mismatch(f"no slot {n!r} for {label}.")
             why = fit_error(n, s, label, need)
             if why is not None:
@@ -179,7 +208,7 @@ class Existing:
             leaves = self.positional.get(name)
             s = leaves[i] if leaves is not None else None
             if isinstance(s, Variable):
-                s = None
+                raise became_array("Optimizer.init", name, s, path_label(self.paths[i], p), p)
         if s is None:
             return None
         why = fit_error(name, s, path_label(self.paths[i], p), param_want(p) if want is None else want)

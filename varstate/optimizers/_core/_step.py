@@ -54,7 +54,7 @@ from varstate.optimizers._core._matching import (
     with_value,
 )
 from varstate.optimizers._core._packed import PackedSlot, PackedTree, fused_update
-from varstate.optimizers._core._slots import StateMismatchError
+from varstate.optimizers._core._slots import StateMismatchError, refuse_params_became_arrays
 from varstate.optimizers._core._state import OptimizerState
 
 _flatten = jax.tree_util.tree_flatten
@@ -110,6 +110,7 @@ def _intern(key: _Static) -> _Static:
 
 
 def _new_plan(opt: Any, grads: Any, params: Any, state: Any, global_step: Any, other: Any, use_global: bool) -> _Plan:
+    refuse_params_became_arrays(params, state)
     top, sig_def = _flatten((grads, params, state, global_step, other), is_leaf=_is_var_or_packed)
     leaves = []
     for x in top:  # a packed slot tree: its layout, then its unpacked slots as leaves of their own
