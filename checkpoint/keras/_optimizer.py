@@ -311,7 +311,8 @@ def _load_h5(where: str, optimizer: KerasOptimizer, params: Any):
     idx = _trainable(params)[2]
     order = keras_order(optimizer, len(idx))
     group_path = f"{_read._OPTIMIZER}/{_read._VARS}"
-    with (_read._open_archive(where) if not _read._is_hdf5(where) else _read._h5py().File(where, "r")) as f:
+    with _read._damaged(where), (
+            _read._open_archive(where) if not _read._is_hdf5(where) else _read._h5py().File(where, "r")) as f:
         group = f.get(group_path)
         if group is None:
             raise ValueError(f"{where}: no optimizer state (no '{group_path}' group): Keras saves it only "

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ import numpy as np
 
 import varstate
 from checkpoint import _dtypes, _keys, _storage
-from checkpoint._errors import CheckpointFormatError
+from checkpoint._errors import CheckpointFormatError, DataLossError
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"  # the weights file inside a .keras zip archive
@@ -162,6 +163,22 @@ def _is_hdf5(path: str) -> bool:
 
 
 @contextlib.contextmanager
+def _damaged(where: str) -> Iterator[None]:
+    """h5py's and zipfile's own exceptions for a damaged file, raised as the library's, naming `where`."""
+    try:
+        yield
+    except (DataLossError, FileNotFoundError, PermissionError):
+        raise  # already the library's, or about the path rather than the file's bytes
+    except zipfile.BadZipFile as e:
+        # zipfile and libhdf5 report a failed checksum only through their messages.
+        error = DataLossError if "CRC" in str(e) else CheckpointFormatError
+        raise error(f"{where}: a damaged zip archive ({e}); save the model again") from e
+    except (OSError, RuntimeError, KeyError, NotImplementedError, EOFError, zlib.error) as e:
+        error = DataLossError if "checksum" in str(e) else CheckpointFormatError
+        raise error(f"{where}: a damaged or unsupported file ({type(e).__name__}: {e}); save the weights again") from e
+
+
+@contextlib.contextmanager
 def _open_archive(path: str) -> Iterator[Any]:
     """The weights HDF5 inside a .keras archive, opened from memory (nothing is extracted to disk)."""
     h5py = _h5py()
@@ -287,10 +304,10 @@ def load_weights(
     registry = varstate.Registry() if registry is None else registry
     names = {k: tuple(v) for k, v in (weight_names or {}).items()}
     if os.path.isfile(path) and zipfile.is_zipfile(path):
-        with _open_archive(path) as f:
+        with _damaged(path), _open_archive(path) as f:
             return _Keras3Reader(f, path, names, registry).read()
     if os.path.isfile(path) and _is_hdf5(path):
-        with _h5py().File(path, "r") as f:
+        with _damaged(path), _h5py().File(path, "r") as f:
             if (root := _legacy_root(f)) is not None:
                 return _read_legacy(root, path, registry)
             return _Keras3Reader(f, path, names, registry).read()
@@ -350,22 +367,23 @@ class _Keras3Reader:
                 f"{self.where}: groups nested more than {_MAX_DEPTH} deep ({group_path[:200]}...); Keras models "
                 "nest far less: the file is damaged or crafted"
             )
-        own = self._child(group, _VARS, group_path)
-        path = parent
-        if isinstance(own, self.h5py.Group):
-            layer_name = _decode(own.attrs.get("name", group_path.rsplit("/", 1)[-1]))
-            path = (*parent, layer_name)
-            if path in self.groups:
-                raise CheckpointFormatError(
-                    f"{self.where}: two layers are both named {'/'.join(path)!r} (groups {group_path} and "
-                    f"{self.groups[path]})"
-                )
-            self.groups[path] = group_path
-            self._own(own, path, layer_name, group_path)
-        # A group without 'vars' is a container (a list or dict of layers): its layers belong to `parent`.
-        for name, child in self._groups(group, group_path):
-            if name != _VARS:
-                self._walk(child, f"{group_path}/{name}", path)
+        with _damaged(f"{self.where}: {group_path}"):  # names the deepest group whose metadata is damaged
+            own = self._child(group, _VARS, group_path)
+            path = parent
+            if isinstance(own, self.h5py.Group):
+                layer_name = _decode(own.attrs.get("name", group_path.rsplit("/", 1)[-1]))
+                path = (*parent, layer_name)
+                if path in self.groups:
+                    raise CheckpointFormatError(
+                        f"{self.where}: two layers are both named {'/'.join(path)!r} (groups {group_path} and "
+                        f"{self.groups[path]})"
+                    )
+                self.groups[path] = group_path
+                self._own(own, path, layer_name, group_path)
+            # A group without 'vars' is a container (a list or dict of layers): its layers belong to `parent`.
+            for name, child in self._groups(group, group_path):
+                if name != _VARS:
+                    self._walk(child, f"{group_path}/{name}", path)
 
     def _own(self, vars_group, path: tuple[str, ...], layer_name: str, group_path: str) -> None:
         datasets = []
@@ -436,7 +454,8 @@ def _read_dataset(ds, where: str, budget: _SizeBudget) -> np.ndarray:
             "file). Rewrite the weights without compression."
         )
     budget.take(declared, where)
-    value = np.asarray(ds[()])
+    with _damaged(where):  # names the layer whose data is damaged
+        value = np.asarray(ds[()])
     value = value if value.dtype.isnative else value.astype(value.dtype.newbyteorder("="))  # big-endian files
     return value.view(jnp.bfloat16) if bf16 else value
 
