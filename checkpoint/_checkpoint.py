@@ -127,11 +127,14 @@ def check_format(format: str, where: str) -> None:
         raise ValueError(f"{where}: unknown format {format!r}; expected 'orbax' or 'tf'.")
 
 
+def _kinds(values: dict[str, Any]) -> list[str]:
+    return [f"{k}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', type(v).__name__)}"
+            for k, v in sorted(values.items()) if not isinstance(v, list)]
+
+
 def _fingerprint(proto: Any, values: dict[str, Any]) -> bytes:
     """What must agree between processes: the graph (names, structure) and every value's shape and dtype."""
-    kinds = [f"{k}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', type(v).__name__)}"
-             for k, v in sorted(values.items()) if not isinstance(v, list)]
-    return proto.SerializeToString(deterministic=True) + "\n".join(kinds).encode()
+    return proto.SerializeToString(deterministic=True) + "\n".join(_kinds(values)).encode()
 
 
 def _tf_of_processes(temp: str, values: dict[str, Any], graph: bytes):
@@ -352,8 +355,9 @@ class Checkpoint:
     def _restore(self, save_path: str) -> LoadStatus:
         if _distributed.process_count() > 1:  # every process must load the same values onto the same shardings
             graph = _graph.build(dict(self._roots))
-            _distributed.check_same("object graph of the restore templates",
-                                    _fingerprint(graph.proto, _graph.values(graph)))
+            values = _graph.values(graph)
+            _distributed.check_same("object graph of the restore templates", _fingerprint(graph.proto, values),
+                                    _kinds(values))
         reader = _storage.open_reader(save_path)
         if reader.object_graph is None:
             raise ValueError(
@@ -416,7 +420,8 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
     graph = _graph.build(roots)
     values = _graph.values(graph)
     if _distributed.process_count() > 1:
-        _distributed.check_same("object graph of the saved roots", _fingerprint(graph.proto, values))
+        _distributed.check_same("object graph of the saved roots", _fingerprint(graph.proto, values),
+                                _kinds(values))
     if format == "tf" and _distributed.process_count() > 1:
         finish = _tf_of_processes(temp, values, graph.proto.SerializeToString())
         if background:  # its shards are read as it writes: written now, so later (donating) steps cannot race

@@ -539,7 +539,9 @@ class CheckpointManager:
         now, changed = time.time(), False
         for name, entry in list(self._journal.saving.items()):
             step = self._plain_step(name)
-            if step is None or now - entry["since"] < older_than:
+            # 0 (the save lock was free: whoever wrote the entry is dead) never looks at the clock, which may
+            # have gone backwards since and put the entry in the future.
+            if step is None or (older_than > 0 and now - entry["since"] < older_than):
                 continue
             # Replacing a checkpoint the state file does not list (one kept for good by keep_every_n_steps,
             # say), it left the checkpoint where it found one: unlisted, and as complete.

@@ -104,8 +104,9 @@ def _missing(name: str, timeout_s: float, error: BaseException) -> ProcessGroupE
     return ProcessGroupError(
         f"Process {jax.process_index()} of {jax.process_count()}: {states} did not reach the barrier {name!r} "
         f"within {timeout_s:g} s (it died or is stuck; {first}). The save was abandoned: the checkpoint being "
-        "written is not published and the latest checkpoint is unchanged. Check that process's log, then restart "
-        "the job."
+        "written is not published and the latest checkpoint is unchanged. If that process is alive, it did not "
+        "call this save or restore: every process must call it, not only process 0. Otherwise check that "
+        "process's log, then restart the job."
     )
 
 
@@ -125,8 +126,9 @@ def lost_peer(error: BaseException, what: str) -> BaseException:
     return ProcessGroupError(
         f"Process {me} of {n}: {what} with process{'es' if len(others) > 1 else ''} {others} failed ({first}); "
         f"{'one of them' if len(others) > 1 else 'it'} died or left the group. The save was abandoned: the "
-        "checkpoint being written is not published and the latest checkpoint is unchanged. Check the other "
-        "processes' logs, then restart the job."
+        "checkpoint being written is not published and the latest checkpoint is unchanged. If the others are "
+        "alive, they did not call this save or restore: every process must call it, not only process 0. "
+        "Otherwise check the other processes' logs, then restart the job."
     )
 
 
@@ -151,12 +153,14 @@ def allgather_bytes(data: bytes, what: str = "exchanging metadata (checksums, in
     return [bytes(rows[i, : int(sizes[i])]) for i in range(len(sizes))]
 
 
-def check_same(what: str, data: bytes, detail: str = "") -> None:
+def check_same(what: str, data: bytes, items: list[str] | None = None) -> None:
     """Raises ProcessGroupError unless every process passes the same `data` (compared by digest).
 
     This is how a program that builds different variables on different
     processes is caught: the object graph (names, structure, shapes) is
-    compared before anything is written or read.
+    compared before anything is written or read. `items` (the Variables'
+    keys, shapes and dtypes) are exchanged only on a mismatch, to name the
+    first that differs.
     """
     if process_count() == 1:
         return
@@ -167,6 +171,16 @@ def check_same(what: str, data: bytes, detail: str = "") -> None:
     others = [p for p, d in enumerate(digests) if d != digest]
     if others:
         mine = [p for p, d in enumerate(digests) if d == digest]
+        detail = ""
+        if items is not None:
+            lists = [b.decode("utf-8").split("\n") for b in allgather_bytes("\n".join(items).encode("utf-8"))]
+            me, them = lists[jax.process_index()], lists[others[0]]
+            first = next((i for i in range(max(len(me), len(them))) if me[i:i + 1] != them[i:i + 1]), None)
+            if first is not None:
+                a = repr(me[first]) if first < len(me) else "nothing more"
+                b = repr(them[first]) if first < len(them) else "nothing more"
+                detail = f"; the first Variable that differs: process {jax.process_index()} has {a} where " \
+                         f"process {others[0]} has {b}"
         raise ProcessGroupError(
             f"Process {jax.process_index()}: the {what} differs between processes: processes {mine} have one "
             f"version, processes {others} another{detail}. Every process must create the same variables, in the "

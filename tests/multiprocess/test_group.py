@@ -244,3 +244,15 @@ def test_a_process_dying_inside_a_collective_is_named_at_once(group, tmp_path):
     directory = str(tmp_path / "dying_collective")
     assert checkpoint.latest_checkpoint(directory) == os.path.join(directory, "model-1")
     assert not os.path.exists(os.path.join(directory, "model-2"))
+
+
+def test_a_save_only_process_0_calls_and_graphs_that_differ_say_what_to_fix(group, tmp_path):
+    out = group("child_lone_save.py", env={"VARSTATE_BARRIER_TIMEOUT_S": "20"})
+    for i, r in enumerate(out):
+        kind, message = r.results["mismatch"]
+        assert kind == "ProcessGroupError", message
+        assert f"the first Variable that differs: process {i} has " in message and "'stray/" in message, message
+    kind, message = out[0].results["lone_save"]
+    assert kind == "ProcessGroupError", message
+    assert "every process must call it, not only process 0" in message, message
+    assert checkpoint.latest_checkpoint(str(tmp_path / "lone")) is None
