@@ -87,13 +87,7 @@ def restore_arrays(path: str | os.PathLike, *, sharding: Any = None) -> dict[str
     if proto is None:
         raise ValueError(f"checkpoint.restore_arrays: {os.fspath(path)!r} is a name-based checkpoint (no object "
                          "graph); read its values by name with checkpoint.read_checkpoint(path).get(key).")
-    paths: dict[int, tuple[str, ...]] = {0: ()}
-    queue = [0]
-    for i in queue:  # breadth first, as TF names nodes: the first path to an object is its path
-        for ref in proto.nodes[i].children:
-            if ref.node_id not in paths:
-                paths[ref.node_id] = paths[i] + (ref.local_name,)
-                queue.append(ref.node_id)
+    paths = _keys.first_paths(proto.nodes)
     for i, node in enumerate(proto.nodes):  # slots after the walk: a primary may sit deeper than its optimizer
         for ref in node.slot_variables:
             if i in paths and ref.original_variable_node_id in paths:

@@ -49,6 +49,22 @@ def child_path(parent: str, local_name: str) -> str:
     return f"{parent}/{escape(local_name)}" if parent else escape(local_name)
 
 
+def first_paths(nodes: Sequence[Any]) -> dict[int, tuple[str, ...]]:
+    """Each node's first path from the root, breadth first, as its local names (TF's rule for a node's key).
+
+    `nodes` are an object graph's nodes (a checkpoint's or an export's); a child reference outside them is
+    skipped, the readers of a graph report it where it matters.
+    """
+    paths: dict[int, tuple[str, ...]] = {0: ()}
+    queue = [0]
+    for i in queue:  # grows as the walk goes
+        for ref in nodes[i].children:
+            if ref.node_id not in paths and 0 <= ref.node_id < len(nodes):
+                paths[ref.node_id] = (*paths[i], ref.local_name)
+                queue.append(ref.node_id)
+    return paths
+
+
 def attribute_key(path: str, attribute: str = VARIABLE_VALUE) -> str:
     return f"{path}/{ATTRIBUTES}/{attribute}"
 

@@ -32,14 +32,7 @@ def _value_label(info: dict[str, Any]) -> str:
 
 def _bfs_paths(nodes) -> dict[int, str]:
     """Each node's path (escaped local names), the first one found breadth-first, as TF names its keys."""
-    paths = {0: ""}
-    queue = [0]
-    for node_id in queue:
-        for child in nodes[node_id].children:
-            if child.node_id not in paths and 0 <= child.node_id < len(nodes):
-                paths[child.node_id] = _keys.child_path(paths[node_id], child.local_name)
-                queue.append(child.node_id)
-    return paths
+    return {i: "/".join(_keys.escape(name) for name in path) for i, path in _keys.first_paths(nodes).items()}
 
 
 def _tree_rows(nodes, describe) -> list[dict[str, Any]]:

@@ -151,14 +151,8 @@ def node_names(proto: TrackableObjectGraph | SavedObjectGraph) -> list[str]:
     """
     nodes: Sequence[Any] = proto.nodes  # the two node types share the fields read here
     names: list[str | None] = [None] * len(nodes)
-    names[0] = "(root)"
-    queue = collections.deque([0])
-    while queue:
-        i = queue.popleft()
-        for ref in nodes[i].children:
-            if 0 <= ref.node_id < len(names) and names[ref.node_id] is None:
-                names[ref.node_id] = f"{names[i]}.{ref.local_name}"
-                queue.append(ref.node_id)
+    for i, path in _keys.first_paths(nodes).items():
+        names[i] = ".".join(("(root)", *path))
     for i, node in enumerate(nodes):  # after the walk: a primary may sit deeper than its optimizer
         for slot_ref in node.slot_variables:
             j, p = slot_ref.slot_variable_node_id, slot_ref.original_variable_node_id
