@@ -128,7 +128,9 @@ def _check_bools(where: str, **options: Any) -> None:
                             f"({type(value).__name__}); pass {name}={bool(value)!r} if that is what you mean.")
 
 
-_RESERVED = ("step", "overwrite", "metrics", "strict", "expect_partial")  # the parameters of save and restore
+# restore's keywords: a root of that name could be saved but never restored (save's own keywords, and `step`,
+# which _step_of takes, never reach its **roots).
+_RESTORE_KEYWORDS = ("strict", "expect_partial")
 
 
 def _step_of(step: Any, roots: dict[str, Any], where: str) -> Any:
@@ -488,7 +490,7 @@ class CheckpointManager:
         """
         step = _as_step(_step_of(step, roots, "CheckpointManager.save"), "CheckpointManager.save")
         _check_bools("CheckpointManager.save", overwrite=overwrite)
-        clash = [name for name in _RESERVED if name in roots]
+        clash = [name for name in _RESTORE_KEYWORDS if name in roots]
         if clash:
             raise ValueError(f"CheckpointManager.save: a root named {clash[0]!r} collides with the parameter "
                              f"{clash[0]} of CheckpointManager.restore, which could not restore it; rename the "
