@@ -7,14 +7,16 @@ updates the storage and rebuilds the wrapper, and a checkpoint sees the
 wrapped Variable (`__varstate_variable__`), with the plain variable's keys.
 
 The autocast dtype is read when a value is read, that is at trace time under
-`jax.jit`: enter `autocast` inside the jitted function, as a Keras layer does
-inside `call`.
+`jax.jit`. The active dtype lives in a JAX user context, which is part of
+every jit cache key: a function traced in one scope is traced again when
+called in another, so a jitted `jnp` function (`jnp.multiply` is one) never
+reuses a trace that read the other dtype. Entering `autocast` inside the
+jitted function, as a Keras layer does inside `call`, works as well.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,11 +28,13 @@ from varstate._array_ops import _ArrayOps, _unwrap
 from varstate._indexed_slices import IndexedSlices
 from varstate._variable import Variable
 
-_state = threading.local()
+# Thread-local, and in every jit cache key: a thread-local Python attribute would let a trace made under one
+# dtype (an eager `jnp.multiply` is a cached jit) be reused under another.
+_context = jax.make_user_context(None)
 
 
 def _cast_dtype() -> np.dtype | None:
-    return getattr(_state, "dtype", None)
+    return _context.value
 
 
 def _cast(value: Any) -> Any:
@@ -66,12 +70,8 @@ def autocast(dtype: Any) -> Iterator[None]:
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             dtype = None
-    previous = _cast_dtype()
-    _state.dtype = dtype
-    try:
+    with _context(dtype):
         yield
-    finally:
-        _state.dtype = previous
 
 
 _new = object.__new__
@@ -89,8 +89,9 @@ class AutoCastVariable(_ArrayOps):
     Outside `autocast` it behaves as the wrapped Variable. Inside, `value`,
     `read_value()`, operators and indexing give the compute dtype and `dtype`
     reports it; `true_dtype` is the storage dtype. `assign*` cast back to the
-    storage dtype and return a new wrapper (as do `scatter_add`, `scatter_sub`,
-    `scatter_update`). Other attributes (`name`,
+    storage dtype and return a new wrapper (as do the `scatter_*` and
+    `scatter_nd_*` methods); `sparse_read` and `gather_nd` read in the compute
+    dtype. Other attributes (`name`,
     `resource_id`, `shape`, `trainable`, ...) are the wrapped Variable's.
 
     Args:
@@ -232,6 +233,53 @@ class AutoCastVariable(_ArrayOps):
             A new AutoCastVariable wrapping the new version.
         """
         return self._scatter("scatter_update", sparse_delta)
+
+    def scatter_max(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        """`Variable.scatter_max` on the wrapped variable, the rows cast to the storage dtype first."""
+        return self._scatter("scatter_max", sparse_delta)
+
+    def scatter_min(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        """`Variable.scatter_min` on the wrapped variable, the rows cast to the storage dtype first."""
+        return self._scatter("scatter_min", sparse_delta)
+
+    def scatter_mul(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        """`Variable.scatter_mul` on the wrapped variable, the rows cast to the storage dtype first."""
+        return self._scatter("scatter_mul", sparse_delta)
+
+    def scatter_div(self, sparse_delta: IndexedSlices) -> AutoCastVariable:
+        """`Variable.scatter_div` on the wrapped variable, the rows cast to the storage dtype first."""
+        return self._scatter("scatter_div", sparse_delta)
+
+    def _scatter_nd(self, op: str, indices: Any, updates: Any) -> AutoCastVariable:
+        return _wrap(getattr(self._variable, op)(indices, self._to_storage(updates)))
+
+    def scatter_nd_add(self, indices: Any, updates: Any) -> AutoCastVariable:
+        """`Variable.scatter_nd_add` on the wrapped variable, `updates` cast to the storage dtype first."""
+        return self._scatter_nd("scatter_nd_add", indices, updates)
+
+    def scatter_nd_sub(self, indices: Any, updates: Any) -> AutoCastVariable:
+        """`Variable.scatter_nd_sub` on the wrapped variable, `updates` cast to the storage dtype first."""
+        return self._scatter_nd("scatter_nd_sub", indices, updates)
+
+    def scatter_nd_update(self, indices: Any, updates: Any) -> AutoCastVariable:
+        """`Variable.scatter_nd_update` on the wrapped variable, `updates` cast to the storage dtype first."""
+        return self._scatter_nd("scatter_nd_update", indices, updates)
+
+    def scatter_nd_max(self, indices: Any, updates: Any) -> AutoCastVariable:
+        """`Variable.scatter_nd_max` on the wrapped variable, `updates` cast to the storage dtype first."""
+        return self._scatter_nd("scatter_nd_max", indices, updates)
+
+    def scatter_nd_min(self, indices: Any, updates: Any) -> AutoCastVariable:
+        """`Variable.scatter_nd_min` on the wrapped variable, `updates` cast to the storage dtype first."""
+        return self._scatter_nd("scatter_nd_min", indices, updates)
+
+    def sparse_read(self, indices: Any) -> Any:
+        """`Variable.sparse_read`, cast to the autocast dtype inside `autocast` (as TF's)."""
+        return _cast(self._variable.sparse_read(indices))
+
+    def gather_nd(self, indices: Any) -> Any:
+        """`Variable.gather_nd`, cast to the autocast dtype inside `autocast` (as TF's)."""
+        return _cast(self._variable.gather_nd(indices))
 
     def _with_value(self, value: Any) -> AutoCastVariable:
         return _wrap(self._variable._with_value(value))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from varstate import _scatter
 from varstate._array_ops import _ArrayOps, _unwrap
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import ArrayImpl, Tracer, in_transformation, is_deleted_array
@@ -530,45 +531,7 @@ class Variable(_ArrayOps):
         return _from_parts(self.read_value() - self._checked(delta, "assign_sub"), self._handle)
 
     def _scatter(self, sparse_delta: Any, op: str) -> Variable:
-        if not isinstance(sparse_delta, IndexedSlices):
-            raise TypeError(
-                f"Variable {self.name!r}.{op}: sparse_delta must be IndexedSlices, "
-                f"got {type(sparse_delta).__name__}."
-            )
-        if not self.shape:
-            raise ValueError(
-                f"Variable {self.name!r}.{op}: a scatter needs a variable of rank >= 1 (its rows), but "
-                f"{self.name!r} is a scalar; use assign_add/assign_sub/assign."
-            )
-        value = self.read_value()
-        indices = jnp.asarray(sparse_delta.indices)
-        updates = _unwrap(sparse_delta.values)
-        if not jnp.issubdtype(indices.dtype, jnp.integer):
-            raise TypeError(f"Variable {self.name!r}.{op}: indices must be integers, got {indices.dtype}.")
-        want = (*indices.shape, *self.shape[1:])
-        if tuple(updates.shape) != want:
-            raise ValueError(
-                f"Variable {self.name!r}.{op}: updates have shape {tuple(updates.shape)}, expected "
-                f"{want} (indices shape {tuple(indices.shape)} + variable shape {self.shape}[1:])."
-            )
-        if updates.dtype != self.dtype:
-            raise TypeError(
-                f"Variable {self.name!r}.{op}: dtype mismatch: the variable is {self.dtype}, "
-                f"the updates are {updates.dtype}."
-            )
-        if not isinstance(indices, Tracer) and indices.size:
-            bad = [i for i in (int(indices.min()), int(indices.max())) if not 0 <= i < self.shape[0]]
-            if bad:  # the lowest index when it is negative, else the highest
-                raise IndexError(
-                    f"Variable {self.name!r}.{op}: index {bad[0]} is out of range for a first "
-                    f"dimension of size {self.shape[0]} (valid: 0..{self.shape[0] - 1})."
-                )
-        # Under tracing indices cannot be checked; out-of-range rows (negative ones too) are dropped.
-        at = value.at[indices]
-        if op == "scatter_sub":
-            updates = -updates
-        new = (at.set if op == "scatter_update" else at.add)(updates, mode="drop", wrap_negative_indices=False)
-        return _from_parts(new, self._handle)
+        return _from_parts(_scatter.scatter(self, sparse_delta, op), self._handle)
 
     def scatter_add(self, sparse_delta: IndexedSlices) -> Variable:
         """A new version with the rows of `sparse_delta` added (TF's `scatter_add`; duplicates accumulate).
@@ -626,6 +589,220 @@ class Variable(_ArrayOps):
                 jit out-of-range rows are dropped).
         """
         return self._scatter(sparse_delta, "scatter_update")
+
+    # TF's other scatters and gathers: the rules (order of duplicates, checks, jit) are in _scatter.py's docstring.
+    def scatter_max(self, sparse_delta: IndexedSlices) -> Variable:
+        """A new version whose rows at `sparse_delta.indices` are the elementwise max with its values (TF's).
+
+        As TF's kernel, an element is replaced only by a strictly greater
+        update, one duplicate after another: a NaN in the variable stays, a NaN
+        update is ignored, and of equal zeros (-0.0, +0.0) the first one wins
+        (`scatter_min` and the `scatter_nd_` ones alike).
+
+        Args:
+            sparse_delta: `IndexedSlices` whose ``values`` have shape
+                ``indices.shape + variable.shape[1:]`` and the variable's dtype.
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError, ValueError, IndexError: as `scatter_add`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.array([1.0, 5.0, 2.0]))
+        >>> v.scatter_max(varstate.IndexedSlices(jnp.array([3.0, 4.0, 9.0]), jnp.array([0, 1, 0]))).numpy()
+        array([9., 5., 2.], dtype=float32)
+        """
+        return self._scatter(sparse_delta, "scatter_max")
+
+    def scatter_min(self, sparse_delta: IndexedSlices) -> Variable:
+        """A new version whose rows at `sparse_delta.indices` are the elementwise min with its values (TF's).
+
+        Takes, returns and raises as `scatter_max`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.array([1.0, 5.0, 2.0]))
+        >>> v.scatter_min(varstate.IndexedSlices(jnp.array([3.0, 4.0]), jnp.array([0, 1]))).numpy()
+        array([1., 4., 2.], dtype=float32)
+        """
+        return self._scatter(sparse_delta, "scatter_min")
+
+    def scatter_mul(self, sparse_delta: IndexedSlices) -> Variable:
+        """A new version whose rows at `sparse_delta.indices` are multiplied by its values (TF's `scatter_mul`).
+
+        Duplicate indices multiply one after another in index order, as TF's
+        kernel does (rounding as TF's, bit for bit).
+
+        Takes, returns and raises as `scatter_max`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.array([1.0, 5.0]))
+        >>> v.scatter_mul(varstate.IndexedSlices(jnp.array([3.0, 2.0]), jnp.array([0, 0]))).numpy()
+        array([6., 5.], dtype=float32)
+        """
+        return self._scatter(sparse_delta, "scatter_mul")
+
+    def scatter_div(self, sparse_delta: IndexedSlices) -> Variable:
+        """A new version whose rows at `sparse_delta.indices` are divided by its values (TF's `scatter_div`).
+
+        Duplicate indices divide one after another in index order, as TF's
+        kernel does (bit for bit); an integer quotient truncates toward zero.
+
+        Takes, returns and raises as `scatter_max`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.array([12.0, 5.0]))
+        >>> v.scatter_div(varstate.IndexedSlices(jnp.array([3.0, 2.0]), jnp.array([0, 0]))).numpy()
+        array([2., 5.], dtype=float32)
+        """
+        return self._scatter(sparse_delta, "scatter_div")
+
+    def _scatter_nd(self, indices: Any, updates: Any, op: str) -> Variable:
+        return _from_parts(_scatter.scatter_nd(self, indices, updates, op), self._handle)
+
+    def scatter_nd_add(self, indices: Any, updates: Any) -> Variable:
+        """A new version with `updates` added at `indices` (TF's `scatter_nd_add`; duplicates accumulate).
+
+        Args:
+            indices: integers of shape ``(..., K)``: each row addresses the
+                first K dimensions of the variable (1 <= K <= rank).
+            updates: shape ``indices.shape[:-1] + variable.shape[K:]``, the
+                variable's dtype (a Python or numpy value is converted).
+
+        Returns:
+            The new Variable version.
+
+        Raises:
+            TypeError: indices are not integers, or updates have another dtype.
+            ValueError: the variable is a scalar, K is out of 1..rank, or the
+                updates' shape is wrong.
+            IndexError: an index is out of range (checked outside jit; under
+                jit out-of-range updates are dropped).
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.zeros((2, 2)))
+        >>> v.scatter_nd_add(jnp.array([[0, 1], [1, 0], [0, 1]]), jnp.array([1.0, 2.0, 3.0])).numpy()
+        array([[0., 4.],
+               [2., 0.]], dtype=float32)
+        """
+        return self._scatter_nd(indices, updates, "scatter_nd_add")
+
+    def scatter_nd_sub(self, indices: Any, updates: Any) -> Variable:
+        """A new version with `updates` subtracted at `indices` (TF's `scatter_nd_sub`; duplicates accumulate).
+
+        Takes, returns and raises as `scatter_nd_add`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.ones((2, 2)))
+        >>> v.scatter_nd_sub(jnp.array([[1]]), jnp.array([[1.0, 2.0]])).numpy()
+        array([[ 1.,  1.],
+               [ 0., -1.]], dtype=float32)
+        """
+        return self._scatter_nd(indices, updates, "scatter_nd_sub")
+
+    def scatter_nd_update(self, indices: Any, updates: Any) -> Variable:
+        """A new version with `updates` written at `indices` (TF's `scatter_nd_update`).
+
+        Takes, returns and raises as `scatter_nd_add`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.zeros((2, 2)))
+        >>> v.scatter_nd_update(jnp.array([[1, 1]]), jnp.array([7.0])).numpy()
+        array([[0., 0.],
+               [0., 7.]], dtype=float32)
+        """
+        return self._scatter_nd(indices, updates, "scatter_nd_update")
+
+    def scatter_nd_max(self, indices: Any, updates: Any) -> Variable:
+        """A new version holding the elementwise max with `updates` at `indices` (TF's `scatter_nd_max`).
+
+        Takes, returns and raises as `scatter_nd_add`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.array([[1.0, 5.0]]))
+        >>> v.scatter_nd_max(jnp.array([[0, 0], [0, 1]]), jnp.array([3.0, 4.0])).numpy()
+        array([[3., 5.]], dtype=float32)
+        """
+        return self._scatter_nd(indices, updates, "scatter_nd_max")
+
+    def scatter_nd_min(self, indices: Any, updates: Any) -> Variable:
+        """A new version holding the elementwise min with `updates` at `indices` (TF's `scatter_nd_min`).
+
+        Takes, returns and raises as `scatter_nd_add`.
+
+        >>> import jax.numpy as jnp, varstate
+        >>> v = varstate.Variable(jnp.array([[1.0, 5.0]]))
+        >>> v.scatter_nd_min(jnp.array([[0, 0], [0, 1]]), jnp.array([3.0, 4.0])).numpy()
+        array([[1., 4.]], dtype=float32)
+        """
+        return self._scatter_nd(indices, updates, "scatter_nd_min")
+
+    def sparse_read(self, indices: Any) -> Any:
+        """The rows at `indices`, an array of shape ``indices.shape + shape[1:]`` (TF's `sparse_read`).
+
+        Args:
+            indices: integers indexing the first dimension.
+
+        Returns:
+            The gathered rows (under jit, an out-of-range row reads as zeros).
+
+        Raises:
+            TypeError: indices are not integers.
+            ValueError: the variable is a scalar.
+            IndexError: an index is out of range (checked outside jit).
+
+        >>> import jax.numpy as jnp, varstate
+        >>> varstate.Variable(jnp.arange(6.0).reshape(3, 2)).sparse_read(jnp.array([2, 0])).tolist()
+        [[4.0, 5.0], [0.0, 1.0]]
+        """
+        return _scatter.sparse_read(self, indices)
+
+    def gather_nd(self, indices: Any) -> Any:
+        """The slices the rows of `indices` address, shape ``indices.shape[:-1] + shape[K:]`` (TF's `gather_nd`).
+
+        Args:
+            indices: integers of shape ``(..., K)``, each row addressing the
+                first K dimensions (1 <= K <= rank).
+
+        Returns:
+            The gathered slices (under jit, an out-of-range one reads as zeros).
+
+        Raises:
+            TypeError: indices are not integers.
+            ValueError: the variable is a scalar, or K is out of 1..rank.
+            IndexError: an index is out of range (checked outside jit).
+
+        >>> import jax.numpy as jnp, varstate
+        >>> varstate.Variable(jnp.arange(6.0).reshape(3, 2)).gather_nd(jnp.array([[2, 1], [0, 0]])).tolist()
+        [5.0, 0.0]
+        """
+        return _scatter.gather_nd(self, indices)
+
+    def get_shape(self) -> tuple[int, ...]:
+        """The shape, as `shape` gives it: a tuple of ints (TF's `get_shape`, whose TensorShape compares equal).
+
+        >>> import varstate
+        >>> varstate.Variable([[1.0, 2.0]]).get_shape()
+        (1, 2)
+        """
+        return self.shape
+
+    @property
+    def device(self) -> str:
+        """The device the value lives on, in TF's naming (``"/job:localhost/replica:0/task:P/device:CPU:N"``).
+
+        P is the JAX process index and N the device's index among that
+        process's devices of its platform (``CPU``, ``GPU``, ``TPU``); for a
+        value sharded over several devices, the lowest-numbered one (as a
+        distributed TF variable names its first replica's). ``""`` when
+        unknown: under jit, or for an uninitialized variable without a sharding.
+
+        >>> import varstate
+        >>> varstate.Variable(1.0).device
+        '/job:localhost/replica:0/task:0/device:CPU:0'
+        """
+        return _scatter.device(self)
 
     def __len__(self) -> int:
         if not self.shape:
