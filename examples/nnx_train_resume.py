@@ -16,7 +16,7 @@ from flax import nnx
 
 import checkpoint
 import varstate
-from varstate.nnx import from_nnx, to_nnx
+from varstate.nnx import from_nnx, loss_fn, to_nnx
 from varstate.optimizers import Adam
 
 
@@ -35,7 +35,6 @@ opt = Adam(0.01)
 
 def train(directory: str, steps: int) -> dict:
     model = MLP(nnx.Rngs(0))
-    graphdef, template = nnx.split(model)
     params = from_nnx(model)
     state = opt.init(params)
     with checkpoint.CheckpointManager(directory, max_to_keep=2) as mgr:
@@ -45,15 +44,8 @@ def train(directory: str, steps: int) -> dict:
             params, state = restored.model, restored.optimizer
             print(f"   resumed at step {start}")
 
-        @jax.jit
-        def grads_of(values):
-            def loss(v):
-                flat = dict(nnx.to_flat_state(template))
-                for path, leaf in jax.tree_util.tree_flatten_with_path(v)[0]:
-                    keys = tuple(k.key for k in path)
-                    flat[keys] = flat[keys].replace(leaf)
-                return jnp.mean((nnx.merge(graphdef, nnx.from_flat_state(flat))(X) - Y) ** 2)
-            return jax.value_and_grad(loss)(values)
+        # The loss written on the Module, as a function of the params' values: its gradient has their structure.
+        grads_of = jax.jit(jax.value_and_grad(loss_fn(model, lambda m: jnp.mean((m(X) - Y) ** 2))))
 
         for step in range(start + 1, steps + 1):
             loss, grads = grads_of(varstate.values(params))

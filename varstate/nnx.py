@@ -4,9 +4,10 @@
 nested dict of `varstate.Variable`s keyed by the nnx path, each named by
 that path (``layers/0/kernel``) and trainable when its nnx type is a
 `nnx.Param`. varstate's optimizers then step it with TF's numerics and
-`checkpoint` saves it under TF's keys; `to_nnx` writes the values back into
-the Module (`nnx.update`). RNG state (`nnx.RngKey`, `nnx.RngCount`) is left
-out: it is not a parameter for an optimizer to step.
+`checkpoint` saves it under TF's keys; `loss_fn` turns a function of the
+Module into one of those params, for `jax.grad`; `to_nnx` writes the values
+back into the Module (`nnx.update`). RNG state (`nnx.RngKey`,
+`nnx.RngCount`) is left out: it is not a parameter for an optimizer to step.
 
 A Module (or an `nnx.State`) is also a checkpoint root as it is, RNG state
 included: ``checkpoint.Checkpoint(model=module)`` saves every nnx Variable
@@ -37,12 +38,15 @@ Module (`nnx.merge`), the template untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable as _Callable
 from typing import Any as _Any
+
+import jax as _jax
 
 from varstate._registry import Registry as _Registry
 from varstate._variable import Variable as _Variable
 
-__all__ = ["from_nnx", "to_nnx"]
+__all__ = ["from_nnx", "loss_fn", "to_nnx"]
 
 
 def _nnx():
@@ -108,10 +112,11 @@ def to_nnx(module: _Any, params: _Any) -> None:
             `from_nnx` returns, or a subset of them.
 
     Returns:
-        None; `module` holds the new values.
+        None; `module` holds copies of the values, so a later donated step
+        over `params` (`apply_gradients`) leaves the Module's arrays alive.
 
     Raises:
-        TypeError: `module` is not an nnx Module.
+        TypeError: `module` is not an nnx Module, or `params` is not a dict.
         KeyError: a path of `params` that the Module does not have (the first).
         ValueError: a path whose shape or dtype differs from the Module's.
 
@@ -125,7 +130,21 @@ def to_nnx(module: _Any, params: _Any) -> None:
     nnx = _nnx()
     if not isinstance(module, nnx.Module):
         raise TypeError(f"to_nnx: expected an nnx.Module, got {type(module).__name__}.")
-    current = dict(_flat(module))
+    # A copy of each array: the Module must not share a buffer with params, which the next step donates.
+    updates = _replaced(dict(_flat(module)), params, "to_nnx", copy=True)
+    nnx.update(module, nnx.from_flat_state(updates))
+
+
+def _replaced(current: dict, params: _Any, verb: str, *, copy: bool = False) -> list[tuple[tuple, _Any]]:
+    """(path, the Module's nnx Variable holding the new value) for each leaf of `params`, each checked."""
+    if not isinstance(params, dict):
+        nnx = _nnx()
+        hint = (" (a Module): pass from_nnx(other) for another Module's values" if isinstance(params, nnx.Module)
+                else ": pass nnx.to_pure_dict(state), or from_nnx(state)" if isinstance(params, nnx.State)
+                else ": a restore returns a LoadStatus holding each root as an attribute, pass status.model (the "
+                     "root's name)" if type(params).__name__ == "LoadStatus" else "")
+        raise TypeError(f"{verb}: params must be nested dicts keyed by nnx path, as from_nnx returns; got "
+                        f"{type(params).__name__}{hint}.")
     updates = []
 
     def walk(node: _Any, path: tuple) -> None:
@@ -136,13 +155,107 @@ def to_nnx(module: _Any, params: _Any) -> None:
         value = node.value if isinstance(node, _Variable) else node
         target = current.get(path)
         if target is None:
-            raise KeyError(f"to_nnx: the Module has no variable at {'/'.join(map(str, path))!r}; its paths are "
+            raise KeyError(f"{verb}: the Module has no variable at {'/'.join(map(str, path))!r}; its paths are "
                            f"{sorted('/'.join(map(str, p)) for p in current)[:10]}.")
         old = target.get_value()
         if tuple(old.shape) != tuple(value.shape) or old.dtype != value.dtype:
-            raise ValueError(f"to_nnx: {'/'.join(map(str, path))!r} is {value.dtype}{list(value.shape)}, the "
-                             f"Module holds {old.dtype}{list(old.shape)}.")
-        updates.append((path, target.replace(value)))
+            fix = (f"cast it first (.astype(jnp.{old.dtype}))" if tuple(old.shape) == tuple(value.shape) else
+                   "params come from another architecture (from_nnx(module) gives this Module's)")
+            raise ValueError(f"{verb}: {'/'.join(map(str, path))!r} is {value.dtype}{list(value.shape)}, the "
+                             f"Module holds {old.dtype}{list(old.shape)}: {fix}.")
+        updates.append((path, target.replace(value.copy() if copy and isinstance(value, _jax.Array) else value)))
 
     walk(params, ())
-    nnx.update(module, nnx.from_flat_state(updates))
+    return updates
+
+
+def loss_fn(model: _Any, f: _Callable[..., _Any], *, discard_changes: bool = False) -> _Callable[..., _Any]:
+    """`f` of an nnx Module as a function of its parameters: what `jax.grad` differentiates for a varstate optimizer.
+
+    ``loss_fn(model, f)(params, *args, **kwargs)`` calls ``f(m, *args,
+    **kwargs)`` on a copy ``m`` of `model` (``nnx.merge``) that holds the
+    values of `params` (as `from_nnx` nests them, Variables or their
+    `varstate.values`; a subset is fine: the rest comes from `model`), so
+    ``jax.grad(loss_fn(model, f))(varstate.values(params))`` has the
+    structure of ``params`` and goes straight to ``opt.apply_gradients``.
+    `model` itself is never changed. Works under `jax.jit`; the rest of the
+    Module's state (RNG keys) is read when the function is traced.
+
+    The function is pure, so a change `f` makes to the copy's state (a
+    draw from an RNG stream, BatchNorm statistics in training mode) would be
+    lost, and a draw repeated on every call: that raises, naming the path
+    and the fix (draw from a key passed in: ``m(x,
+    rngs=nnx.Rngs(dropout=key))``; a Module in eval mode), unless
+    ``discard_changes=True``.
+
+    Args:
+        model: the nnx Module whose structure and other state `f` sees.
+        f: a function of the Module (and any further arguments), e.g. the loss.
+        discard_changes: True lets `f` change the copy's state, the changes
+            then dropped; False raises at the first.
+
+    Returns:
+        ``loss(params, *args, **kwargs)``, returning what `f` returns.
+
+    Raises:
+        TypeError: `model` is not an nnx Module; (when called) `params` is not a dict.
+        KeyError: (when called) a path of `params` that the Module does not have.
+        ValueError: (when called) a value whose shape or dtype differs from the Module's; `f`
+            changed the copy's state (an RNG draw, BatchNorm statistics) without ``discard_changes=True``.
+
+    >>> import jax, jax.numpy as jnp, varstate
+    >>> from flax import nnx
+    >>> from varstate.nnx import from_nnx, loss_fn
+    >>> from varstate.optimizers import GradientDescent
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> params = from_nnx(model, registry=varstate.Registry())
+    >>> loss = loss_fn(model, lambda m, x: jnp.sum(m(x)))
+    >>> grads = jax.grad(loss)(varstate.values(params), jnp.ones((1, 2)))
+    >>> grads["kernel"].tolist(), grads["bias"].tolist()
+    ([[1.0], [1.0]], [1.0])
+    >>> opt = GradientDescent(0.5)
+    >>> params, _ = opt.apply_gradients(grads, params, opt.init(params))
+    >>> params["bias"].value.tolist()
+    [-0.5]
+    """
+    nnx = _nnx()
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"loss_fn: expected an nnx.Module, got {type(model).__name__}; for a pytree of Variables, "
+                        "differentiate a function of varstate.values(params) directly.")
+
+    def loss(params: _Any, *args: _Any, **kwargs: _Any) -> _Any:
+        graphdef, state = nnx.split(model)
+        # Copies of every nnx Variable: f's changes stay on them (nnx refuses a change from inside a trace to a
+        # Variable made outside it), and are found below.
+        flat = {p: v.replace(v.get_value()) for p, v in nnx.to_flat_state(state)}
+        rng_types = (nnx.RngKey, nnx.RngCount)  # left to nnx, as from_nnx leaves them
+        flat.update(_replaced({p: v for p, v in flat.items() if not isinstance(v, rng_types)}, params, "loss_fn"))
+        before = {p: v.get_value() for p, v in flat.items()}
+        out = f(nnx.merge(graphdef, nnx.from_flat_state(list(flat.items()))), *args, **kwargs)
+        changed = sorted((not isinstance(v, nnx.RngCount), i, p) for i, (p, v) in enumerate(flat.items())
+                         if v.get_value() is not before[p])  # an RNG draw first: the likelier surprise
+        if changed and not discard_changes:
+            _refuse_change(changed[0][2], flat[changed[0][2]])
+        return out
+
+    return loss
+
+
+def _refuse_change(path: tuple, var: _Any) -> None:
+    nnx = _nnx()
+    where = "/".join(map(str, path))
+    if isinstance(var, nnx.RngCount):
+        stream = getattr(var, "tag", None) or "default"  # the stream's name, which Rngs(...) takes as a keyword
+        raise ValueError(
+            f"loss_fn: f drew random numbers from the Module's RNG stream at {where!r}; loss_fn does not carry RNG "
+            "state from call to call, so every call would draw the same numbers. Draw from a key passed in "
+            f"instead, a new one each step: loss_fn(model, lambda m, x, key: ...m(x, rngs=nnx.Rngs({stream}=key)))"
+            "(params, x, key) (nnx.Dropout and others take rngs= when called); or pass discard_changes=True."
+        )
+    raise ValueError(
+        f"loss_fn: f changed {where!r} ({type(var).__name__}) on the copy of the Module it was given, and the "
+        "change is not kept: loss_fn's function returns only what f returns. For a loss, put the Module in eval "
+        "mode (model.eval(): BatchNorm then uses its running statistics); to keep the change, return it from f "
+        "(jax.grad(..., has_aux=True)), write it into its Variable in params (`v.assign(new)` returns the "
+        "new version) and pass discard_changes=True."
+    )

@@ -22,6 +22,7 @@ from varstate.optimizers._core._matching import (
     path_label,
     with_value,
 )
+from varstate.optimizers._core._messages import check_arguments
 from varstate.optimizers._core._slots import Existing, check_non_slots, check_slots, make_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
 
@@ -80,7 +81,8 @@ class _OptaxOptimizer(Optimizer):
                 {name: part for name, is_slot, part in parts if not is_slot})
 
     def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
-             fused: bool | None = None) -> OptimizerState:
+             fused: bool | None = None, reinitialize_slots: bool = False) -> OptimizerState:
+        check_arguments(self, "init", params, state=state)
         if stepped is not None:
             raise TypeError(
                 "from_optax(...).init: stepped= leaves the slots of unstepped params out, as TF does; an optax "
@@ -101,6 +103,8 @@ class _OptaxOptimizer(Optimizer):
                 made = []
                 for i, (p, s) in enumerate(zip(p_leaves, part, strict=True)):
                     kept = None if s is None else existing.get(name, i, p, (s.shape, s.dtype))
+                    if kept is None and s is not None and not reinitialize_slots:
+                        existing.refuse_foreign(name, i, p, p_leaves)
                     # Copied: an optax state may hold the params' own arrays, and both are donated.
                     made.append(kept if kept is not None else None if s is None else
                                 make_slot(p, name, s) if isinstance(p, Variable) else s)

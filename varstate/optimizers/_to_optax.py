@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from varstate.optimizers._core._base import Optimizer
 
 
+def _a(kind: str) -> str:
+    return f"{'an' if kind[:1] in 'AEIOUaeiou' else 'a'} {kind}"
+
+
 class TFOptimizerState(NamedTuple):
     """The optax state of `to_optax`: arrays only (TF's variables without their identities).
 
@@ -137,6 +141,13 @@ def to_optax(opt: Optimizer) -> Any:
         )
 
     def update(updates: Any, state: TFOptimizerState, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        if not isinstance(state, TFOptimizerState):
+            made_by = (f" (an OptimizerState is {type(opt).__name__}.init's, for apply_gradients and update)"
+                       if isinstance(state, OptimizerState) else "")
+            raise TypeError(
+                f"to_optax({type(opt).__name__}).update: state is {_a(type(state).__name__)}{made_by}; the optax form "
+                "takes the state its own init makes: opt_state = tx.init(params), then the one each update returns."
+            )
         if params is None:
             raise ValueError(
                 f"to_optax({type(opt).__name__}).update needs params (optax's third argument): TF's optimizers "

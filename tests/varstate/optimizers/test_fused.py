@@ -246,7 +246,7 @@ def test_a_fused_state_given_other_params_grows_fused():
     old = _model("old/")
     state = opt.init(old, fused=True)
     new = _model("new/")  # a re-created model: apply_gradients creates its slots, in the state's layout
-    new, state = opt.apply_gradients(_grads(0, new), new, state)
+    new, state = opt.apply_gradients(_grads(0, new), new, state, reinitialize_slots=True)
     assert state.fused and state.get_slot(new["small"][0], "m").name == "new/s0/m"
     ref = _model("ref/")
     ref, _ = opt.apply_gradients(_grads(0, ref), ref, opt.init(ref))

@@ -3,8 +3,10 @@
 Reference: TF's optimizers create a slot with its initial value the first time
 they step a variable that has none (`_zeros_slot` / `_create_slots` only where
 missing), and keep every existing slot. So a re-created model stepped with an
-old state must get fresh slots (not the old model's, and not none), the
-checkpoint must hold them, and the step after matches a fresh state's step.
+old state and ``reinitialize_slots=True`` must get fresh slots (not the old
+model's, and not none), the checkpoint must hold them, and the step after
+matches a fresh state's step. Without the option that state is refused
+(test_foreign_state.py): its slots belong to other Variables.
 """
 
 import jax
@@ -58,7 +60,7 @@ def test_a_re_created_model_gets_fresh_slots_that_a_checkpoint_holds(name, tmp_p
     ref_state = opt.init(reference, OptimizerState(slots={}, non_slots=copied))
     # The model is built again (same structure, new Variables) and stepped with the old state.
     params = _model()
-    new_params, state = opt.apply_gradients(GRADS, params, old_state)
+    new_params, state = opt.apply_gradients(GRADS, params, old_state, reinitialize_slots=True)
     reference, ref_state = opt.apply_gradients(GRADS, reference, ref_state)
     for k in ("w", "b"):
         np.testing.assert_array_equal(new_params[k].value, reference[k].value)  # as from a fresh state
@@ -135,7 +137,8 @@ def test_missing_non_slots_are_created_and_other_optimizers_slots_pass_through()
     carried = state.slots["momentum"][0]  # another optimizer's slot: carried through the step unchanged
     assert carried.handle is w.handle.registry[carried.resource_id] and carried.name.startswith("w/momentum")
     np.testing.assert_array_equal(carried.value, np.zeros(2))
-    ref, _ = Adam(0.1).apply_gradients([jnp.ones(2)], [Variable(jnp.ones(2))], Adam(0.1).init([Variable(jnp.ones(2))]))
+    fresh = Variable(jnp.ones(2))
+    ref, _ = Adam(0.1).apply_gradients([jnp.ones(2)], [fresh], Adam(0.1).init([fresh]))
     np.testing.assert_array_equal(w2.value, ref[0].value)
 
 
@@ -155,13 +158,14 @@ def test_update_under_a_callers_jit_names_the_missing_slot_and_the_fix():
     state = opt.init({"w": old})
     params = {"w": Variable(jnp.ones(2), name="new")}
     want = (r"apply_gradients: no slot 'm' for 'new(_\d+)?' \(params\['w'\]\): the state holds the slot of another "
-            r"variable \('old(_\d+)?/m'\) there\. The state was made for other params \(a re-created model, another "
-            r"model's state\)\. apply_gradients creates the missing state, as TF's optimizers do; inside your own "
-            r"jit, call `state = opt\.init\(params, state\)` first \(outside jit\): it keeps the state's slots for "
-            r"these params and creates the others\.")
+            r"variable \('old(_\d+)?/m'\) there\. The state was made for other params \(a grown model, another "
+            r"model's state\)\. apply_gradients creates the missing state, as TF's optimizers do, unless the state "
+            r"holds slots of other Variables \(then it raises; reinitialize_slots=True makes fresh slots\); inside "
+            r"your own jit, call `state = opt\.init\(params, state\)` first \(outside jit\): it keeps the state's "
+            r"slots for these params and creates the others\.")
     with pytest.raises(ValueError, match=want):
         jax.jit(opt.update)({"w": jnp.ones(2)}, params, state)
-    new, new_state = jax.jit(opt.update)({"w": jnp.ones(2)}, params, opt.init(params, state))
+    new, new_state = jax.jit(opt.update)({"w": jnp.ones(2)}, params, opt.init(params, state, reinitialize_slots=True))
     assert new_state.get_slot(new["w"], "m") is not None
     no_non_slots = OptimizerState(slots=opt.init(params).slots, non_slots={})
     with pytest.raises(ValueError, match=r"apply_gradients: the state has no non-slot variable 'beta1_power' \(it "
@@ -206,6 +210,6 @@ def test_sparse_and_tied_params_with_a_foreign_state():
     state = opt.init({"a": old, "b": old})
     e = Variable(jnp.ones((4, 2)), name="emb")
     grads = {"a": IndexedSlices(jnp.ones((1, 2)), jnp.array([1]), (4, 2)), "b": jnp.ones((4, 2))}
-    new, new_state = opt.apply_gradients(grads, {"a": e, "b": e}, state)
+    new, new_state = opt.apply_gradients(grads, {"a": e, "b": e}, state, reinitialize_slots=True)
     assert new_state.slots["m"]["a"].handle is new_state.slots["m"]["b"].handle
     assert new_state.get_slot(new["a"], "m").handle.slot_of == e.resource_id

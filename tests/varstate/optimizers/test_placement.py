@@ -49,10 +49,8 @@ def test_params_and_slots_keep_the_params_sharding_whatever_the_gradients(name, 
     state = opt.init(params)
     grads = {"w": jax.device_put(jnp.full((8, 8), 0.5), NamedSharding(mesh, P("data", None))),
              "emb": IndexedSlices(jnp.ones((2, 8)), jnp.array([1, 6]), (8, 8))}
-    reference = opt.apply_gradients(
-        {"w": jnp.full((8, 8), 0.5), "emb": grads["emb"]},
-        {k: Variable(jnp.ones((8, 8))) for k in params}, opt.init({k: Variable(jnp.ones((8, 8))) for k in params}),
-    )[0]
+    on_one = {k: Variable(jnp.ones((8, 8))) for k in params}
+    reference = opt.apply_gradients({"w": jnp.full((8, 8), 0.5), "emb": grads["emb"]}, on_one, opt.init(on_one))[0]
     for step in range(3):
         params, state = opt.apply_gradients(grads, params, state)
         if step == 0:

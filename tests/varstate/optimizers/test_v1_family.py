@@ -335,7 +335,8 @@ def test_adagrad_da_reads_the_global_step_from_a_variable_and_tf_gets_step_plus_
         params, state = opt.apply_gradients(_grads(step, jnp.float32), params, state, step=global_step)
     assert_tf_close(params["w"].value, FIXTURES[f"{case}/3/w"], "step from a Variable")
     # One step later is another result: the step is not ignored.
-    other, _ = opt.apply_gradients(_grads(1, jnp.float32), _params(case), opt.init(_params(case)), step=1)
+    fresh = _params(case)
+    other, _ = opt.apply_gradients(_grads(1, jnp.float32), fresh, opt.init(fresh), step=1)
     assert not np.allclose(np.asarray(other["w"].value), FIXTURES[f"{case}/1/w"])
 
 

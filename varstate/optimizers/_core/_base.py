@@ -32,7 +32,7 @@ from varstate.optimizers._core._matching import (
     owner_positions,
     with_value,
 )
-from varstate.optimizers._core._messages import checked_new
+from varstate.optimizers._core._messages import check_arguments, checked_new
 from varstate.optimizers._core._rows import _dedupe
 from varstate.optimizers._core._slots import (
     Existing,
@@ -148,15 +148,19 @@ class Optimizer:
 
     # --- public API -----------------------------------------------------
     def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
-             fused: bool | None = None) -> OptimizerState:
+             fused: bool | None = None, reinitialize_slots: bool = False) -> OptimizerState:
         """Slots for every trainable param and the non-slot variables (call outside jit).
 
         With `state`, keeps the state's slots for these params (found by the
         primary's identity; a plain-array param's by position) and its
         non-slots, and creates the missing ones with their initial values, as
         TF's optimizers create a slot only where none exists. `apply_gradients`
-        does this itself when params arrive without state (a re-created model);
-        a caller of `update` under its own jit calls it first.
+        does this itself when params arrive without state (a grown model); a
+        caller of `update` under its own jit calls it first. A state that holds
+        slots of other Variables (not among `params`) while a param has none is
+        refused: it was built or loaded for other Variables (a model rebuilt
+        after a restore), and fresh slots would silently drop it; pass
+        ``reinitialize_slots=True`` to make them anyway.
 
         A param marked not stepped gets no slots (None in ``state.slots``)
         until a step gives it a gradient; then `apply_gradients` creates them
@@ -187,6 +191,9 @@ class Optimizer:
                 trainable param.
             fused: True packs slots as described above; None keeps the given
                 state's layout, else unfused.
+            reinitialize_slots: True makes fresh slots (initial values) for
+                params without slots in `state` even where `state` holds slots
+                of other Variables (those are then left out); False refuses.
 
         Returns:
             The `OptimizerState`, with slots named ``<primary name>/<slot>``, linked
@@ -194,8 +201,10 @@ class Optimizer:
 
         Raises:
             ValueError: a kept slot's shape or dtype does not fit its param
-                (naming both), a param is uninitialized, or a plain-array
-                param stands where the state holds a Variable's slots.
+                (naming both), a param is uninitialized, a plain-array
+                param stands where the state holds a Variable's slots, or a
+                param has no slot while `state` holds slots of other Variables
+                (naming both, unless ``reinitialize_slots=True``).
             TypeError: a `stepped` leaf is not a bool.
 
         >>> import jax.numpy as jnp, varstate
@@ -212,6 +221,7 @@ class Optimizer:
         >>> fresh.get_slot(b, "momentum") is None, fresh.slots["momentum"]["b"]
         (True, None)
         """
+        check_arguments(self, "init", params, state=state)
         flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
         leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         owners = owner_positions(leaves)
@@ -228,6 +238,8 @@ class Optimizer:
                 else:
                     kept = existing.get(slot_name, i, p)
                     if kept is None and wanted[i]:
+                        if not reinitialize_slots:
+                            existing.refuse_foreign(slot_name, i, p, leaves)
                         kept = filled_slot(p, slot_name, fill)
                     made.append(kept)  # None: not stepped yet, so no slot (TF makes none either)
             slots[slot_name] = p_def.unflatten(made)
@@ -313,6 +325,7 @@ class Optimizer:
         >>> new_p["w"].tolist()
         [0.8999999761581421, 0.8999999761581421]
         """
+        check_arguments(self, "update", params, grads, state)
         if extra_args:
             self._refuse_extra_args(extra_args)
         p_leaves, g_leaves, p_def, paths = flatten_grads(grads, params)
@@ -364,7 +377,7 @@ class Optimizer:
 
     def apply_gradients(
         self, grads: Any, params: Any, state: OptimizerState, step: Any = None, *, global_step: Any = None,
-        **extra_args: Any,
+        reinitialize_slots: bool = False, **extra_args: Any,
     ) -> tuple:
         """`update` under jit with `params` and `state` donated (their old buffers are deleted).
 
@@ -383,20 +396,25 @@ class Optimizer:
 
         Every new param, and its slots, keeps the param's sharding whatever
         the gradient's (TF updates a variable on its device; the donated
-        buffers are then reused). Params without state (a re-created model, a
-        state made for another model) get their slots and non-slots created
-        with initial values first, outside jit (`init(params, state)`), as TF's
-        optimizers create missing slots. Reading a version given to a step
-        raises `varstate.DonatedVariableError`: use the returned ones.
+        buffers are then reused). Params without state (a grown model, a
+        param never stepped, a state made by another optimizer) get their
+        slots and non-slots created with initial values first, outside jit
+        (`init(params, state)`), as TF's optimizers create missing slots; but
+        a state holding slots of other Variables (a model rebuilt after a
+        restore) raises, unless ``reinitialize_slots=True``. Reading a version
+        given to a step raises `varstate.DonatedVariableError`: use the
+        returned ones.
 
         Args:
             grads: the gradients, as for `update`.
             params: the params pytree; donated.
-            state: the `OptimizerState`; donated. One made for other params is
-                completed with `init` first.
+            state: the `OptimizerState`; donated. One lacking slots for some
+                params is completed with `init` first.
             step: the step for callable hyperparameters (default: the global
                 step's value when `global_step` is given).
             global_step: the global step Variable to increment, or None.
+            reinitialize_slots: as `init`'s: True gives params without slots
+                fresh ones even where `state` holds other Variables' slots.
             **extra_args: passed to `update` as traced arguments.
 
         Returns:
@@ -407,7 +425,9 @@ class Optimizer:
             TypeError: as `update`.
             ValueError: a param that was a Variable when `state` was made is
                 a plain array now (its slots would be lost); keep the
-                Variable (`v.assign(...)`, `varstate.with_values`).
+                Variable (`v.assign(...)`, `varstate.with_values`). A param
+                has no slot while `state` holds slots of other Variables
+                (naming both; see `init`).
 
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import Adam
@@ -422,6 +442,7 @@ class Optimizer:
         >>> int(gs.value)
         1
         """
+        check_arguments(self, "apply_gradients", params, grads, state)
         if extra_args and type(self).update is Optimizer.update:
             self._refuse_extra_args(extra_args)  # before the trace: nothing donated, no JAX frames in the message
         try:
@@ -429,8 +450,9 @@ class Optimizer:
         except StateMismatchError:
             if in_transformation():
                 raise  # under a caller's trace no Variable can be made; the message says what to do
-            # Params without state: created outside jit, as TF's optimizers create missing slots; then the step.
-            return _step.apply_jitted(self, grads, params, self.init(params, state), step, global_step, extra_args)
+        # Params without state: created outside jit, as TF's optimizers create missing slots; then the step.
+        state = self.init(params, state, reinitialize_slots=reinitialize_slots)
+        return _step.apply_jitted(self, grads, params, state, step, global_step, extra_args)
 
     def _refuse_extra_args(self, extra_args: dict) -> None:
         """TypeError naming the first extra argument: the TF optimizers' update takes none."""

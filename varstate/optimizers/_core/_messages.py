@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from typing import Any
+
+from varstate.optimizers._core._state import OptimizerState
 
 # Keras (and tf.keras) keywords whose TF v1 counterpart is spelled too differently for difflib to find.
 _ALIASES = {
@@ -60,3 +63,71 @@ def checked_new(cls: type, *args: Any, **kwargs: Any) -> Any:
         if fields and keyword not in fields:
             raise unexpected_keyword(cls, keyword)
     return object.__new__(cls)
+
+
+@functools.cache  # by type: every step asks, for the same few types
+def _nnx_kind(kind: type) -> str | None:
+    """``"an nnx.State"``, ``"an nnx Module (MLP)"``...: what flax nnx type `kind` is, else None (flax unimported)."""
+    for cls in kind.__mro__:
+        if cls.__module__.startswith("flax.nnx"):
+            own = kind.__name__
+            return f"an nnx {cls.__name__} ({own})" if own != cls.__name__ else f"an nnx.{own}"
+    return None
+
+
+def check_arguments(opt: Any, verb: str, params: Any, grads: Any = None, state: Any = None) -> None:
+    """TypeError for arguments of another API: an nnx object, optax's argument order, a state of another kind.
+
+    An nnx object reaches an optimizer when it is handed to ``nnx.Optimizer``
+    (which calls ``tx.init(nnx.state(model))``) or given a Module or
+    ``nnx.grad``'s State directly; either way the steps would pair leaves
+    that are not the params. optax's ``update(grads, state, params)`` puts
+    the state second, where ours is ``(grads, params, state)``.
+
+    >>> from varstate.optimizers import Adam
+    >>> check_arguments(Adam(0.1), "init", {"w": 1.0})  # plain pytrees pass
+    """
+    if type(opt).__name__.startswith("_"):  # from_optax's class: the optax transformation is the nnx fix
+        name, given, optax_form = "from_optax(tx)", "from_optax(tx)", "tx"
+    else:
+        name = type(opt).__name__
+        given, optax_form = f"{name}(...)", f"{name}(...).to_optax()"
+    if isinstance(params, OptimizerState):
+        raise TypeError(
+            f"{name}.{verb}: params is an OptimizerState: the arguments are (grads, params, state), where optax's "
+            f"update takes (grads, state, params). Call opt.{verb}(grads, params, state)."
+        )
+    if state is not None and not isinstance(state, OptimizerState):
+        kind = type(state).__name__
+        if kind == "TFOptimizerState":
+            raise TypeError(
+                f"{name}.{verb}: state is the optax state of {given}.to_optax() (a TFOptimizerState), where {verb} "
+                f"takes the OptimizerState that {name}.init(params) makes. Keep to one form: tx.update(grads, "
+                "opt_state, params) with the optax state, or state = opt.init(params)."
+            )
+        raise TypeError(
+            f"{name}.{verb}: state is {'an' if kind[:1] in 'AEIOUaeiou' else 'a'} {kind}, not the OptimizerState "
+            f"that {name}.init(params) makes. Call state = opt.init(params) once, then pass the state each step "
+            "returns."
+        )
+    for role, tree in (("params", params), ("grads", grads)):
+        nnx_kind = _nnx_kind(type(tree))  # type: ignore[arg-type]  # a type is hashable
+        if nnx_kind is None:
+            continue
+        if role == "params":
+            fix = (
+                f"If it came from nnx.Optimizer(model, {given}), give nnx.Optimizer the optax form instead: "
+                f"nnx.Optimizer(model, {optax_form}, wrt=nnx.Param). To step the model's parameters with "
+                "varstate, make them Variables: `params = varstate.nnx.from_nnx(model)`, then "
+                "`varstate.nnx.to_nnx(model, params)` writes them back"
+            )
+        else:
+            fix = (
+                "Take the gradient with respect to the params' values, which has params' structure: "
+                "`grads = jax.grad(varstate.nnx.loss_fn(model, f))(varstate.values(params))` with "
+                "`params = varstate.nnx.from_nnx(model)`"
+            )
+        raise TypeError(
+            f"{name}.{verb}: {role} is {nnx_kind}; varstate's optimizers take pytrees of varstate Variables or arrays, "
+            f"not nnx objects. {fix}."
+        )

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from varstate._jax_compat import ArrayImpl
 from varstate._registry import outside_name_scopes
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers._core._matching import array_of, is_var, path_label
@@ -37,12 +38,22 @@ def make_slot(primary: Variable, slot_name: str, value: Any, *, fresh: bool = Fa
                                registry=registry, copy=not fresh, slot_of=primary.resource_id, slot_name=slot_name)
 
 
+def uncommitted(value: Any) -> bool:
+    """True for an eager array made outside jit without a device (`jnp.ones`): jit may move it, and its outputs
+    stay uncommitted only while every input is. State made for such a param is made uncommitted too: a committed
+    slot would commit the first step's outputs, and the second step (and the caller's jitted gradient function,
+    given the new params) would compile again for the committed inputs."""
+    return type(value) is ArrayImpl and not value.committed
+
+
 def non_slot_home(params: Any) -> tuple[Any, Any]:
     """(registry, device) of the non-slot variables of `params`: the first Variable's registry, and its place
-    (TF colocates them with it), replicated over its mesh."""
+    (TF colocates them with it), replicated over its mesh; None for an uncommitted first Variable (`uncommitted`)."""
     first = next((p for p in jax.tree.leaves(params, is_leaf=is_var) if isinstance(p, Variable)), None)
     if first is None:
         return None, None
+    if uncommitted(first._value):
+        return first.handle.registry, None
     sharding = first.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
@@ -57,7 +68,7 @@ def filled_slot(p: Any, slot_name: str, fill: float) -> Any:
         raise ValueError(
             f"Optimizer.init: {p.name!r} is uninitialized; initialize or restore it before creating slots."
         )
-    slot_value = jnp.full(value.shape, fill, value.dtype, device=sharding)
+    slot_value = jnp.full(value.shape, fill, value.dtype, device=None if uncommitted(value) else sharding)
     return make_slot(p, slot_name, slot_value, fresh=True) if isinstance(p, Variable) else slot_value
 
 
@@ -128,10 +139,11 @@ def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list,
     """
     def mismatch(why: str) -> StateMismatchError:
         return StateMismatchError(
-            f"apply_gradients: {why} The state was made for other params (a re-created model, another model's "
-            "state). apply_gradients creates the missing state, as TF's optimizers do; inside your own jit, call "
-            "`state = opt.init(params, state)` first (outside jit): it keeps the state's slots for these params "
-            "and creates the others."
+            f"apply_gradients: {why} The state was made for other params (a grown model, another model's "
+            "state). apply_gradients creates the missing state, as TF's optimizers do, unless the state holds slots "
+            "of other Variables (then it raises; reinitialize_slots=True makes fresh slots); inside your own jit, "
+            "call `state = opt.init(params, state)` first (outside jit): it keeps the state's slots for these "
+            "params and creates the others."
         )
 
     out = {}
@@ -186,15 +198,18 @@ class Existing:
 
     def __init__(self, state: Any, p_def: Any, paths: list) -> None:
         self.by_rid: dict[tuple[str, int], Variable] = {}
+        self.where: dict[tuple[str, int], str] = {}  # a slot's place in the state, for messages
         self.positional: dict[str, list] = {}
         self.paths = paths
         self.names = list(state.slots) if state is not None else []
         self.non_slots = dict(state.non_slots) if state is not None else {}
+        self._param_ids: set[int] | None = None
         for name in self.names:
             tree = state.slots[name]
-            for s in jax.tree.leaves(tree, is_leaf=is_slot_leaf):
+            for path, s in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_slot_leaf)[0]:
                 if isinstance(s, Variable) and s.handle.slot_of is not None:
-                    self.by_rid.setdefault((name, s.handle.slot_of), s)
+                    if self.by_rid.setdefault((name, s.handle.slot_of), s) is s:
+                        self.where[name, s.handle.slot_of] = f"state.slots[{name!r}]{jax.tree_util.keystr(path)}"
             try:
                 self.positional[name] = p_def.flatten_up_to(tree)
             except (ValueError, TypeError):
@@ -215,3 +230,35 @@ class Existing:
         if why is not None:
             raise ValueError(why[0].upper() + why[1:])
         return s
+
+    def refuse_foreign(self, name: str, i: int, p: Any, leaves: list) -> None:
+        """ValueError before a fresh slot `name` is made for the Variable `p` (leaf `i`) while the state holds
+        `name` slots of Variables that are not among the params (`leaves`).
+
+        Such a state was loaded or built for other Variables (a model rebuilt after a restore, `from_nnx` params
+        with a state read from a file): its slots would be dropped for zeros. A param that merely has no slot yet
+        (a grown model, one never stepped) gets one, as TF's optimizers create a missing slot.
+        """
+        if not isinstance(p, Variable):
+            return  # a plain array has no identity: its slot is found by position
+        if self._param_ids is None:
+            self._param_ids = {x.resource_id for x in leaves if isinstance(x, Variable)}
+        here = self.positional[name][i] if name in self.positional else None  # named first: the slot in p's place
+        rid = here.handle.slot_of if isinstance(here, Variable) else None
+        if rid is None or rid in self._param_ids:
+            rid = next((r for n, r in self.by_rid if n == name and r not in self._param_ids), None)
+            if rid is None:
+                return
+        key = (name, rid)
+        slot = self.by_rid[key]
+        primary = slot.handle.registry.get(rid)  # gone when every version of it was dropped
+        other = primary.name if primary is not None else slot.name.removesuffix(f"/{name}")
+        raise ValueError(
+            f"The optimizer state holds slots of other Variables: {path_label(self.paths[i], p)} has no slot "
+            f"{name!r} in it, while {self.where[key]} is {slot.name!r}, the slot of the Variable {other!r}, which "
+            "is not among the params. Making fresh slots here would drop that state (a model rebuilt after a "
+            "restore, or from_nnx(model) params with a state loaded for other Variables). Build the state on these "
+            "params: state = opt.init(params), or restore the saved state into opt.init(params) (for a Keras "
+            "file, checkpoint.keras.load_optimizer_state(path, opt, params)); or pass reinitialize_slots=True to "
+            "apply_gradients or init to start these params' slots from their initial values."
+        )

@@ -19,7 +19,11 @@ Variables would trace again for every freshly built model. Here:
   the same shapes reuses the compiled step, without tracing again;
 - placement: every new param, and its slots, leaves the step with the
   param's sharding, whatever the gradient's (XLA would otherwise propagate a
-  mix of both, and the donated buffers could not be reused);
+  mix of both, and the donated buffers could not be reused); the first step
+  of a structure places the state as its params (`_state_on_params`) and
+  commits the uncommitted rest only if some input is committed (`_commit`),
+  so the second step's inputs are placed as the first's and nothing
+  compiles again;
 - layout: `update` must return params and state laid out as given (the
   outputs take the caller's treedef); else a ValueError names the first
   difference;
@@ -37,6 +41,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from varstate._global_step import assert_global_step
 from varstate._indexed_slices import IndexedSlices
@@ -168,9 +174,11 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
     try:
         plan = _PLANS.get(pkey)
         if plan is None:
-            # Arrays made outside jit are uncommitted and jit's outputs are committed: a second compile on step 2
-            # unless the first step's inputs are committed too (no copy: aliased).
-            ps_leaves = _commit(ps_leaves)
+            placed = _state_on_params(params, state, global_step)
+            if placed is not None:
+                state, global_step = placed
+                ps_leaves = _flatten((params, state, global_step))[0]
+            ps_leaves = _commit(ps_leaves, g_leaves + o_leaves)
             plan = _new_plan(opt, grads, params, state, global_step, other, use_global)
             if len(_PLANS) >= _MAX_PLANS:
                 del _PLANS[next(iter(_PLANS))]
@@ -179,7 +187,7 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
             _check_sparse_indices(grads, params)
         # With one device nothing can drift, and jit keeps outputs uncommitted.
         if jax.device_count() > 1 and _place(plan, ps_leaves[:plan.n_params], state):
-            ps_leaves = _commit(ps_leaves)  # new params (uncommitted arrays) with a structure seen before
+            ps_leaves = _commit(ps_leaves, g_leaves + o_leaves)  # new param arrays, a structure seen before
         _trace.defs = (g_def, ps_def, o_def)
         try:
             out = ps_def.unflatten(_jitted_update(plan.key, g_leaves, ps_leaves, o_leaves))
@@ -304,14 +312,25 @@ def _tie(tree: Any) -> Any:
     return treedef.unflatten([leaves[i] for i in owner_positions(leaves)])
 
 
-def _commit(leaves: list) -> list:
-    """`leaves` with every uncommitted concrete array committed: where it is (aliased, no copy), or where the
-    committed ones are (one device, or replicated over their mesh)."""
+def _commit(leaves: list, others: list) -> list:
+    """`leaves` (params and state) with every uncommitted concrete array committed where the committed ones
+    among `leaves` and `others` (the gradients, the step) are (one device, or replicated over their mesh), or
+    where it is (aliased, no copy); `leaves` as they are when nothing is committed.
+
+    jit's outputs are uncommitted only while all its inputs are: a step given some committed input returns
+    committed params and state, so the second step's inputs would differ from the first's and compile again
+    (and so would the caller's jitted gradient function, given committed params). With the first step's
+    params and state committed, every step sees the inputs of the first. Without a committed input (arrays made
+    outside jit, state made for them by `init`) the outputs stay uncommitted: nothing to do.
+    """
     concrete = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not isinstance(x, Tracer)]
     at = [i for i in concrete if not leaves[i].committed]
     if not at:
         return leaves
-    committed = {leaves[i].sharding for i in concrete if leaves[i].committed}
+    committed: set[Any] = {x.sharding for x in [leaves[i] for i in concrete] + others
+                           if type(x) is ArrayImpl and x.committed}
+    if not committed:
+        return leaves
     devices = {d for s in committed for d in s.device_set}
     # The rest joins the committed ones where jit would move it on every call, as its outputs will be (a global
     # step made on device 0 for params on device 1, or on one mesh): else step 2 compiles again.
@@ -324,8 +343,6 @@ def _commit(leaves: list) -> list:
                                                               for d in devices):
             return leaves  # placed across devices otherwise (or other processes'): left to jit
         shardings = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(at)
-    else:
-        shardings = [leaves[i].sharding for i in at]
     # One batched device_put: 1,000 single ones cost 100 ms on CPU, about 30 times this.
     put = jax.device_put([leaves[i] for i in at], shardings, may_alias=True)
     leaves = list(leaves)
@@ -335,9 +352,83 @@ def _commit(leaves: list) -> list:
 
 
 # --- placement ---------------------------------------------------------------------------------------------------
+_UNCOMMITTED = object()  # where the state of params made outside jit goes: uncommitted, as they are
+
+
+def _state_on_params(params: Any, state: OptimizerState, global_step: Any) -> tuple | None:
+    """(state, global step) placed as their params, as TF keeps a slot on its variable's device; None if they are.
+
+    A step's executable is keyed by its inputs' placement, and its outputs
+    take the params' (`_pinned`): a first step given state placed otherwise
+    (made on device 0 for params on a mesh, committed where the params are
+    not) would compile again on the second. So a slot goes to its param's
+    sharding, the rest (non-slots, packed buffers, the global step) to the
+    params' common place (their device, or replicated over their mesh); for
+    uncommitted params, committed state is made uncommitted too (a host copy,
+    once per structure: jit has no other way). Run once per structure.
+    """
+    p_leaves, p_def = jax.tree.flatten(params, is_leaf=is_var)
+    values = [x for x in map(array_of, p_leaves) if type(x) is ArrayImpl]
+    if not values:
+        return None
+    if not any(x.committed for x in values):
+        common: Any = _UNCOMMITTED
+    elif all(x.committed for x in values):
+        shardings = {x.sharding for x in values}
+        meshes = {getattr(x, "mesh", None) for x in shardings}
+        mesh = meshes.pop() if len(meshes) == 1 else None
+        if len({d for x in shardings for d in x.device_set}) == 1:
+            common = jax.sharding.SingleDeviceSharding(next(iter(values[0].sharding.device_set)))
+        elif isinstance(mesh, jax.sharding.Mesh):
+            common = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        else:
+            return None  # over several devices otherwise: left to jit
+    else:
+        return None  # a mix: `_commit` commits the rest where the committed ones are
+    moved = False
+
+    def move(x: Any, where: Any) -> Any:
+        nonlocal moved
+        value = array_of(x)
+        if type(value) is not ArrayImpl or not value.committed:
+            return x  # an uncommitted one goes where the rest is, with the params (`_commit`)
+        if not value.is_fully_addressable or (where is not _UNCOMMITTED and not where.is_fully_addressable):
+            return x  # other processes' devices: every process would have to move it alike; left to jit
+        if where is _UNCOMMITTED:
+            if len(value.sharding.device_set) > 1:
+                return x
+            new = jnp.asarray(np.asarray(value))
+        elif value.sharding == where:
+            return x
+        else:
+            new = jax.device_put(value, where)
+        moved = True
+        return with_value(x, new)
+
+    targets = [common if common is _UNCOMMITTED or type(v := array_of(p)) is not ArrayImpl else v.sharding
+               for p in p_leaves]
+    slots = {}
+    for name, tree in state._stored.items():
+        if isinstance(tree, PackedTree):
+            if tree.layout.p_def == p_def:
+                tree = PackedTree.build(p_def, [x if isinstance(x, PackedSlot) or x is None else move(x, t)
+                                                for x, t in zip(tree.leaves(), targets, strict=True)], tree.layout)
+        else:
+            try:
+                tree = p_def.unflatten([None if x is None else move(x, t)
+                                        for x, t in zip(p_def.flatten_up_to(tree), targets, strict=True)])
+            except (ValueError, TypeError):
+                pass  # not laid out like params (another optimizer's): left as it is
+        slots[name] = tree
+    non_slots = {k: move(v, common) for k, v in state.non_slots.items()}
+    packed = {k: tuple(move(b, common) for b in bs) for k, bs in state.packed.items()}
+    global_step = None if global_step is None else move(global_step, common)
+    return (OptimizerState(slots, non_slots, packed), global_step) if moved else None
+
+
 def _place(plan: _Plan, leaves: list, state: OptimizerState) -> bool:
-    """Keys `plan` by the shardings of the param values `leaves` and of the non-slots; True if a param's value is
-    uncommitted (made outside jit). Called in processes with several devices only."""
+    """Keys `plan` by the shardings of the param values `leaves` and of the non-slots; True if they changed and a
+    param's value is uncommitted (made outside jit: `_commit` then decides). Called with several devices only."""
     # Concrete arrays only: a tracer (a step inside a caller's jit) has no sharding to key by.
     values = [v._value if isinstance(v, Variable) else None for v in state.non_slots.values()]
     shardings = tuple([x.sharding if type(x) is ArrayImpl else None for x in leaves])
@@ -350,7 +441,6 @@ def _place(plan: _Plan, leaves: list, state: OptimizerState) -> bool:
     if last is None or last.value != (shardings, non_slots):
         plan.key = _intern(_Static(opt, sig, _Static(shardings, non_slots), use_global))
     plan.shardings = shardings
-    # Arrays made outside jit are uncommitted and jit's outputs committed: one compile more unless committed now.
     return not all([x.committed for x in leaves if type(x) is ArrayImpl])
 
 

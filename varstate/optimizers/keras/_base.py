@@ -32,6 +32,7 @@ from varstate._global_step import int64_counter
 from varstate._variable import Variable
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._matching import is_var
+from varstate.optimizers._core._messages import check_arguments
 from varstate.optimizers._core._rows import as_dtype
 from varstate.optimizers._core._slots import check_non_slots, filled_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
@@ -138,7 +139,7 @@ class KerasOptimizer(Optimizer):
 
     # --- state ----------------------------------------------------------
     def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
-             fused: bool | None = None) -> OptimizerState:
+             fused: bool | None = None, reinitialize_slots: bool = False) -> OptimizerState:
         """Slots and non-slots as `Optimizer.init`, plus Keras's int64 ``iteration`` counter (starting at 0).
 
         Args:
@@ -146,6 +147,7 @@ class KerasOptimizer(Optimizer):
             state: as `Optimizer.init`'s; its ``iteration`` is kept.
             stepped: as `Optimizer.init`'s.
             fused: as `Optimizer.init`'s.
+            reinitialize_slots: as `Optimizer.init`'s.
 
         Returns:
             The `OptimizerState`.
@@ -157,7 +159,7 @@ class KerasOptimizer(Optimizer):
         >>> sorted(state.non_slots), state.non_slot("iteration").value.item(), state.get_slot(w, "momentum").name
         (['iteration', 'learning_rate'], 0, 'w/momentum')
         """
-        state = super().init(params, state, stepped=stepped, fused=fused)
+        state = super().init(params, state, stepped=stepped, fused=fused, reinitialize_slots=reinitialize_slots)
         if "iteration" in state.non_slots:
             return state
         registry, placement = non_slot_home(params)
@@ -190,6 +192,7 @@ class KerasOptimizer(Optimizer):
         >>> p[0].tolist(), state.non_slot("iteration").value.item()
         ([0.25], 2)
         """
+        check_arguments(self, "update", params, grads, state)  # before reading `state`'s iteration
         check_non_slots(state, ("iteration",))
         if step is None:
             step = state.non_slots["iteration"].value
