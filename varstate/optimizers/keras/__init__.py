@@ -6,7 +6,9 @@ TensorFlow backend, op by op in Keras's order and with Keras's constants
 bias correction from the ``iteration`` counter), on dense gradients and on
 `varstate.IndexedSlices` with Keras's sparse rules. Run op by op (``update``
 outside ``jit``) the results equal Keras's bit for bit; under ``jit``, XLA
-may fuse a multiply and an add, which moves elements by a few ulp.
+may fuse a multiply and an add, which moves elements by a few ulp. `Lamb`'s
+norms and `Muon`'s matrix products sum in another order than Eigen's: their
+params agree within the bound each one's docstring states.
 
 The state is an `OptimizerState` whose slots carry Keras's names
 (``momentum``, ``velocity``, ...) and whose non-slots are Keras's
@@ -33,8 +35,11 @@ accumulation and ``exclude_from_weight_decay``.
 from varstate.optimizers.keras._adam import Adam, Adamax, AdamW, Nadam
 from varstate.optimizers.keras._base import KerasOptimizer
 from varstate.optimizers.keras._ftrl import Ftrl
+from varstate.optimizers.keras._lamb import Lamb
+from varstate.optimizers.keras._muon import Muon
 from varstate.optimizers.keras._sgd import SGD, Adadelta, Adagrad, Lion, RMSprop
 
 __all__ = [
-    "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "KerasOptimizer", "Lion", "Nadam", "RMSprop",
+    "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "KerasOptimizer", "Lamb", "Lion", "Muon",
+    "Nadam", "RMSprop",
 ]
