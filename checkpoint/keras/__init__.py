@@ -18,7 +18,9 @@ Read (format found from the file itself, not its name):
 Written: Keras 3 ``.weights.h5``, which Keras's ``model.load_weights`` reads.
 
 Weights come back as a `KerasWeights`: a dict, layer name -> {weight name ->
-`varstate.Variable`, sublayer name -> {...}}, in Keras's layer order; a
+`varstate.Variable`, sublayer name -> {...}}, in Keras's layer order (a
+``.keras`` records it; a ``.weights.h5`` only through its optimizer's
+shapes, see `load_optimizer_state`); a
 Variable's name is its Keras path relative to the model (``"dense/kernel"``,
 ``"lstm/lstm_cell/kernel"``; Keras 3 prefixes the variables of a Sequential
 model with the model's name, which is left out). Optimizer state is not
@@ -31,8 +33,8 @@ those Keras's built-in layers create in that order (Dense: kernel, bias;
 BatchNormalization: gamma, beta, moving_mean, moving_variance; LSTM/GRU
 cells: kernel, recurrent_kernel, bias; see `BUILTIN_WEIGHT_NAMES`).
 Other layers keep positional names unless `load_weights(weight_names=...)`
-names them. HDF5 needs h5py, imported only when an HDF5 file is read or
-written.
+names them. HDF5 needs h5py (and pyfive, which reads the files' string
+attributes), imported only when an HDF5 file is read or written.
 
 >>> import numpy as np, varstate
 >>> from checkpoint import keras

@@ -32,7 +32,7 @@ import varstate
 from checkpoint import _keys, _storage
 from checkpoint._checkpoint import Checkpoint
 from checkpoint._errors import CheckpointFormatError
-from checkpoint.keras import _read
+from checkpoint.keras import _hdf5, _order, _read
 from varstate import _seam
 from varstate.optimizers import OptimizerState
 from varstate.optimizers.keras import KerasOptimizer
@@ -201,7 +201,10 @@ def load_optimizer_state(
     optimizer's variables as ``optimizer/vars/N``, in the same order but
     without names (shapes are checked); `params` then defaults to the
     model's weights (`load_weights`), whose trainable ones, in Keras's layer
-    order, are the optimizer's variables.
+    order, are the optimizer's variables. A ``.keras`` records that order
+    (its config); for a ``.weights.h5`` of a Functional or Sequential model
+    it is the one order of the layers (each class's layers in their file
+    order) that gives the optimizer's shapes.
 
     Args:
         path: a TF checkpoint (prefix or directory), or a Keras 3
@@ -209,12 +212,17 @@ def load_optimizer_state(
         optimizer: the `varstate.optimizers.keras` optimizer made as Keras's
             was (same class, ``amsgrad``, ``momentum``, ``centered``, float or
             schedule learning rate).
-        params: None to take the trainable variables the optimizer recorded
-            (``<node>/_trainable_variables/i``) as new Variables, in Keras's
-            order (from an HDF5 file: the model's weights); or the model's
-            trainable params (any pytree whose trainable leaves are in Keras's
-            order of ``model.trainable_variables``), which come back with the
-            checkpoint's values.
+        params: None to take the model's weights as `load_weights` returns
+            them (a `KerasWeights`, which `save_weights` takes), its trainable
+            ones in the optimizer's order: from a ``.weights.h5`` or
+            ``.keras``, or a Keras 3 TF checkpoint holding the model (the
+            optimizer's ``_trainable_variables`` are its weights); a TF
+            checkpoint of an optimizer alone, or tf.keras 2's, gives the
+            trainable variables as a list of new Variables, in Keras's
+            order. Or the
+            model's trainable params (any pytree whose trainable leaves are in
+            Keras's order of ``model.trainable_variables``), which come back
+            with the checkpoint's values.
         node: the optimizer's path in the object graph
             (``tf.train.Checkpoint(optimizer=...)`` and ``model.save_weights``
             of a compiled model both use ``"optimizer"``).
@@ -226,7 +234,8 @@ def load_optimizer_state(
     Raises:
         TypeError: `optimizer` is not a `varstate.optimizers.keras` optimizer.
         ValueError: no optimizer at `node`; a variable count, name, shape or
-            dtype that does not fit `optimizer` or `params` (naming it).
+            dtype that does not fit `optimizer` or `params` (naming it); a
+            ``.weights.h5`` whose layers more than one order (or none) fits.
         CheckpointFormatError: a name-based (TF1) checkpoint, or a corrupt file.
         FileNotFoundError: no checkpoint at `path`.
 
@@ -278,13 +287,34 @@ def _params_from(g: _read._Graph, ids: list[int], paths: list[str], params: Any)
     return treedef.unflatten(leaves)
 
 
+def _model_of(g: _read._Graph, ids: list[int]) -> Any:
+    """The weights of the Keras model in the checkpoint (`load_weights`'s dict), when the variables `ids` are its
+    trainable ones: reordered so that those come in the order of `ids`. None without such a model (an optimizer
+    saved alone: its variables then come back as a list)."""
+    paths: dict[int, tuple[str, ...]] = {}
+    try:
+        weights = _read._read_tf_checkpoint(g.reader, g.where, None, varstate.Registry(), paths)
+    except (ValueError, CheckpointFormatError):
+        return None  # no Keras model in the checkpoint, or more than one
+    if not ids or not all(i in paths for i in ids):
+        return None
+    weights = _order.by_rank(weights, {paths[i]: k for k, i in enumerate(ids)})
+    leaves, _, idx = _trainable(weights)
+    # The model's trainable weights must be exactly the optimizer's (by name: a Variable is named by its path).
+    return weights if [leaves[k].name for k in idx] == ["/".join(paths[i]) for i in ids] else None
+
+
 def _load_keras3(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer, params: Any):
     kids = g.named(opt)
     var_list = g.named(kids["_variables"])
     trainables = g.named(kids["_trainable_variables"]) if "_trainable_variables" in kids else {}
     t_ids = [trainables[str(i)] for i in range(len(trainables))]
     t_paths = [f"{node}/_trainable_variables/{i}" for i in range(len(t_ids))]
-    params = _params_from(g, t_ids, t_paths, params) if (t_ids or params is None) else params
+    model = _model_of(g, t_ids) if params is None else None
+    if model is not None:
+        params = model
+    elif t_ids or params is None:
+        params = _params_from(g, t_ids, t_paths, params)
     idx = _trainable(params)[2]
     order = keras_order(optimizer, len(idx))
     if len(var_list) != len(order) or any(str(i) not in var_list for i in range(len(order))):
@@ -312,19 +342,41 @@ def _load_h5(where: str, optimizer: KerasOptimizer, params: Any):
     order = keras_order(optimizer, len(idx))
     group_path = f"{_read._OPTIMIZER}/{_read._VARS}"
     with _read._damaged(where), (
-            _read._open_archive(where) if not _read._is_hdf5(where) else _read._h5py().File(where, "r")) as f:
+            _read._open_archive(where) if not _read._is_hdf5(where) else _hdf5.open_file(where)) as f:
         group = f.get(group_path)
         if group is None:
             raise ValueError(f"{where}: no optimizer state (no '{group_path}' group): Keras saves it only "
                              "for a compiled model whose optimizer was built (trained, or optimizer.build)")
-        keys = sorted(group.keys(), key=lambda k: (len(k), k))
+        keys = sorted(_hdf5.names(group, f"{where}: {group_path}"), key=lambda k: (len(k), k))
         if keys != [str(i) for i in range(len(order))]:
             raise _count_error(f"{where}: {group_path}", len(keys), optimizer, len(idx), order)
         budget = _read._SizeBudget(f)
-        values = [_read._read_dataset(group[str(n)], f"{where}: {group_path}/{n}", budget) for n in range(len(order))]
+        values = [_read._read_dataset(_hdf5.stored_dataset(group, str(n), f"{where}: {group_path}/{n}"),
+                                      f"{where}: {group_path}/{n}", budget) for n in range(len(order))]
+    first: dict[int, tuple[int, ...]] = {}  # each trainable variable's shape, from its first slot
+    for (_, p), value in zip(order, values, strict=True):
+        if p is not None:
+            first.setdefault(p, tuple(value.shape))
+    params = _in_file_order(params, [first[p] for p in range(len(idx))] if len(first) == len(idx) else None, where)
+    idx = _trainable(params)[2]
     return params, _state_from(optimizer.init(params), idx, where, (
         (name, p, value, f"{group_path}/{n} ({name})" if p is None else f"{group_path}/{n} ({name} of variable {p})")
         for n, ((name, p), value) in enumerate(zip(order, values, strict=True))))
+
+
+def _in_file_order(params: Any, shapes: list[tuple[int, ...]] | None, where: str) -> Any:
+    """Weights read from a ``.weights.h5`` (not a ``.keras``, whose config gives the order) in the one order of
+    their layers that the optimizer's shapes allow; raises if none or several do (`_order.ambiguity_error`)."""
+    source = getattr(params, "source", "")
+    if (shapes is None or not isinstance(params, _read.KerasWeights)
+            or (os.path.isfile(source) and zipfile.is_zipfile(source))):
+        return params  # an optimizer without slots, params the caller ordered, or a .keras's config order
+    ranks, count = _order.file_ranks(params, shapes)
+    if count is None:
+        return params  # not a Functional or Sequential model's file: its order is the file's
+    if count != 1:
+        raise _order.ambiguity_error(where, count)
+    return _order.reorder(params, ranks)
 
 
 def _load_v2(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer, params: Any):

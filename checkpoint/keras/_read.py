@@ -6,7 +6,6 @@ See `checkpoint.keras`'s docstring for the formats.
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import os
 import re
@@ -22,6 +21,7 @@ import numpy as np
 import varstate
 from checkpoint import _dtypes, _keys, _storage
 from checkpoint._errors import CheckpointFormatError, DataLossError
+from checkpoint.keras import _hdf5, _order
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"  # the weights file inside a .keras zip archive
@@ -50,8 +50,9 @@ BUILTIN_WEIGHT_NAMES: dict[str, dict[int, tuple[str, ...]]] = {
         for k in (
             "dense", "einsum_dense", "conv1d", "conv2d", "conv3d", "conv1d_transpose", "conv2d_transpose",
             "conv3d_transpose", "depthwise_conv1d", "depthwise_conv2d",
-            # MultiHeadAttention's projections (EinsumDense), saved under their attribute names.
-            "_query_dense", "_key_dense", "_value_dense", "_output_dense",
+            # MultiHeadAttention's projections (EinsumDense): recent Keras 3 saves them under their property
+            # names (query_dense), earlier ones under the attributes (_query_dense).
+            *(f"{u}{p}_dense" for u in ("", "_") for p in ("query", "key", "gate", "value", "output")),
         )
     },
     **{k: _SEPARABLE for k in ("separable_conv1d", "separable_conv2d")},
@@ -141,15 +142,7 @@ def _unflatten(aux, children) -> KerasWeights:
 jax.tree_util.register_pytree_with_keys(KerasWeights, _flatten_with_keys, _unflatten)
 
 
-def _h5py():
-    # h5py is imported here, not at module import: reading TF checkpoints needs none of it.
-    try:
-        import h5py
-    except ImportError:
-        raise ImportError(
-            "Reading or writing Keras HDF5 weights needs h5py, which is not installed: pip install h5py"
-        ) from None
-    return h5py
+_h5py = _hdf5.h5py_module  # reading goes through _hdf5 (string attributes by pyfive: libhdf5 can loop on them)
 
 
 def _is_hdf5(path: str) -> bool:
@@ -176,12 +169,16 @@ def _damaged(where: str) -> Iterator[None]:
     except (OSError, RuntimeError, KeyError, NotImplementedError, EOFError, zlib.error) as e:
         error = DataLossError if "checksum" in str(e) else CheckpointFormatError
         raise error(f"{where}: a damaged or unsupported file ({type(e).__name__}: {e}); save the weights again") from e
+    except (ValueError, TypeError) as e:
+        if not _hdf5.raised_by_h5py(e):
+            raise  # the library's own (weight_names, int64 out of range)
+        raise CheckpointFormatError(
+            f"{where}: a damaged or unsupported file ({type(e).__name__}: {e}); save the weights again") from e
 
 
 @contextlib.contextmanager
 def _open_archive(path: str) -> Iterator[Any]:
     """The weights HDF5 inside a .keras archive, opened from memory (nothing is extracted to disk)."""
-    h5py = _h5py()
     with zipfile.ZipFile(path) as z:
         if _KERAS_ARCHIVE_WEIGHTS not in z.namelist():
             raise CheckpointFormatError(
@@ -195,7 +192,7 @@ def _open_archive(path: str) -> Iterator[Any]:
                 "bytes; refusing to expand it (a damaged or crafted archive)"
             )
         data = z.read(_KERAS_ARCHIVE_WEIGHTS)
-    with h5py.File(io.BytesIO(data), "r") as f:
+    with _hdf5.open_bytes(data, path) as f:
         yield f
 
 
@@ -273,7 +270,11 @@ def load_weights(
 
     Returns:
         A `KerasWeights`, layer name -> {weight name -> Variable, sublayer
-        name -> {...}} in Keras's layer order, values bit-exact.
+        name -> {...}} in Keras's layer order, values bit-exact. A
+        ``.weights.h5`` does not record the order across layer classes: it is
+        found from the optimizer's variables when the file holds them and
+        only one order fits, else only each class's layers keep Keras's order
+        among themselves; a ``.keras`` gives it from its config.
 
     Raises:
         TypeError: `path` is not a string or path.
@@ -305,9 +306,9 @@ def load_weights(
     names = {k: tuple(v) for k, v in (weight_names or {}).items()}
     if os.path.isfile(path) and zipfile.is_zipfile(path):
         with _damaged(path), _open_archive(path) as f:
-            return _Keras3Reader(f, path, names, registry).read()
+            return _Keras3Reader(f, path, names, registry, _order.archive_config(path)).read()
     if os.path.isfile(path) and _is_hdf5(path):
-        with _damaged(path), _h5py().File(path, "r") as f:
+        with _damaged(path), _hdf5.open_file(path) as f:
             if (root := _legacy_root(f)) is not None:
                 return _read_legacy(root, path, registry)
             return _Keras3Reader(f, path, names, registry).read()
@@ -322,9 +323,10 @@ def load_weights(
 
 # --- Keras 3 .weights.h5 ----------------------------------------------------------------------
 class _Keras3Reader:
-    def __init__(self, f, where: str, names: dict[str, tuple[str, ...]], registry) -> None:
+    def __init__(self, f, where: str, names: dict[str, tuple[str, ...]], registry, config: Any = None) -> None:
         self.h5py = _h5py()
         self.f, self.where, self.names, self.registry = f, where, names, registry
+        self.config = config  # a .keras archive's model config: Keras's order of the layers
         self.tree: dict = {}
         self.layout: list[LayerLayout] = []
         self.groups: dict[tuple[str, ...], str] = {}  # each layer's path -> its group, to find twins in linear time
@@ -337,12 +339,24 @@ class _Keras3Reader:
                 f"{self.where}: an HDF5 file without Keras's 'vars' or 'layers' groups, nor the 'layer_names' "
                 "attribute of Keras 2's format: not a Keras weights file"
             )
-        model_name = _decode(root_vars.attrs.get("name", "")) if root_vars is not None else ""
+        model_name = "" if root_vars is None else _decode(_hdf5.attribute(root_vars, "name", "", f"{self.where}: vars"))
         self._own(root_vars, (), model_name, "")
         for name, child in self._groups(self.f, ""):
             if name not in (_VARS, _OPTIMIZER):  # the optimizer's state is not a weight of the model
                 self._walk(child, name, ())
-        return KerasWeights(self.tree, layout=tuple(self.layout), source=self.where)
+        weights = KerasWeights(self.tree, layout=tuple(self.layout), source=self.where)
+        return _order.in_keras_order(weights, self.config, self._optimizer_shapes())
+
+    def _optimizer_shapes(self) -> list[tuple[int, ...]] | None:
+        """The shapes of ``optimizer/vars/N`` in order (they follow Keras's trainable variables), or None."""
+        group = self._child(self.f, _OPTIMIZER, "")
+        group = self._child(group, _VARS, _OPTIMIZER) if isinstance(group, self.h5py.Group) else None
+        if not isinstance(group, self.h5py.Group):
+            return None
+        datasets = [self._child(group, str(i), f"{_OPTIMIZER}/{_VARS}") for i in range(len(group))]
+        if not all(isinstance(ds, self.h5py.Dataset) and ds.shape is not None for ds in datasets):
+            return None  # irregular: load_optimizer_state says what is wrong
+        return [tuple(ds.shape) for ds in datasets]
 
     def _child(self, group, name: str, group_path: str):
         if name not in group:
@@ -357,7 +371,8 @@ class _Keras3Reader:
 
     def _groups(self, group, group_path: str) -> list[tuple[str, Any]]:
         """Subgroups in the order they were written (HDF5 lists names sorted; object addresses grow as written)."""
-        children = [(name, self._child(group, name, group_path)) for name in group]
+        children = [(name, self._child(group, name, group_path))
+                    for name in _hdf5.names(group, f"{self.where}: {group_path or '/'}")]
         groups = [(name, child) for name, child in children if isinstance(child, self.h5py.Group)]
         return sorted(groups, key=lambda nc: self.h5py.h5o.get_info(nc[1].id).addr)
 
@@ -371,7 +386,8 @@ class _Keras3Reader:
             own = self._child(group, _VARS, group_path)
             path = parent
             if isinstance(own, self.h5py.Group):
-                layer_name = _decode(own.attrs.get("name", group_path.rsplit("/", 1)[-1]))
+                layer_name = _decode(_hdf5.attribute(own, "name", group_path.rsplit("/", 1)[-1],
+                                                     f"{self.where}: {group_path}/vars"))
                 path = (*parent, layer_name)
                 if path in self.groups:
                     raise CheckpointFormatError(
@@ -388,7 +404,7 @@ class _Keras3Reader:
     def _own(self, vars_group, path: tuple[str, ...], layer_name: str, group_path: str) -> None:
         datasets = []
         if vars_group is not None:
-            keys = list(vars_group)
+            keys = _hdf5.names(vars_group, f"{self.where}: {group_path}/vars")
             if sorted(keys, key=lambda k: (len(k), k)) != [str(i) for i in range(len(keys))]:
                 raise CheckpointFormatError(
                     f"{self.where}: {group_path}/vars holds {sorted(keys)}; Keras names a layer's weights "
@@ -438,7 +454,7 @@ class _Keras3Reader:
 
 def _read_dataset(ds, where: str, budget: _SizeBudget) -> np.ndarray:
     """A dataset's value in native byte order; `budget` bounds what the file's datasets declare in all."""
-    bf16 = _decode(ds.attrs.get("dtype", "")) == "bfloat16"
+    bf16 = _decode(_hdf5.attribute(ds, "dtype", "", where)) == "bfloat16"
     dtype = ds.dtype
     # float128 / complex256 (long doubles) have no JAX type.
     wide = dtype.itemsize > {"f": 8, "c": 16}.get(dtype.kind, 8)
@@ -471,28 +487,20 @@ def _legacy_root(f):
 
 
 def _read_legacy(root, where: str, registry) -> KerasWeights:
-    h5py = _h5py()
     tree: dict = {}
     layout: dict[tuple[str, ...], list[str]] = {}
     budget = _SizeBudget(root.file)
-    for layer_name in (_decode(n) for n in root.attrs["layer_names"]):
+    for layer_name in (_decode(n) for n in _hdf5.attribute(root, "layer_names", [], f"{where}: {root.name}")):
         if layer_name not in root:
             raise CheckpointFormatError(f"{where}: layer {layer_name!r} is listed in layer_names but has no group")
         group = root[layer_name]
-        for weight in (_decode(n) for n in group.attrs.get("weight_names", [])):
+        for weight in (_decode(n) for n in _hdf5.attribute(group, "weight_names", [], f"{where}: {layer_name}")):
             parts = weight.removesuffix(":0").split("/")
             # A Keras 2 weight name starts with its layer's name ("lstm/lstm_cell/kernel:0"), after any
             # enclosing scope; the rest are sublayers and the weight.
             rest = parts[parts.index(layer_name) + 1 :] if layer_name in parts[:-1] else parts[-1:]
             path = (layer_name, *rest)
-            link = group.get(weight, getlink=True)
-            if not isinstance(link, h5py.HardLink):
-                raise CheckpointFormatError(
-                    f"{where}: {layer_name}/{weight} is a {type(link).__name__}; links are not followed"
-                )
-            ds = group[weight]
-            if not isinstance(ds, h5py.Dataset) or ds.is_virtual or ds.external:
-                raise CheckpointFormatError(f"{where}: {layer_name}/{weight} is not a dataset stored in this file")
+            ds = _hdf5.stored_dataset(group, weight, f"{where}: {layer_name}/{weight}")
             value = _read_dataset(ds, f"{where}: {layer_name}/{weight}", budget)
             _insert(tree, path, _variable(value, path, registry, f"{where}:{layer_name}/{weight}"), where)
             layout.setdefault(path[:-1], []).append(path[-1])
@@ -650,7 +658,9 @@ def _collect(g: _Graph, layer: int, seen: set[int]) -> list:
     return out
 
 
-def _read_tf_checkpoint(reader, where: str, node: str | None, registry) -> KerasWeights:
+def _read_tf_checkpoint(reader, where: str, node: str | None, registry,
+                        ids: dict[int, tuple[str, ...]] | None = None) -> KerasWeights:
+    """The Keras model's weights in a TF checkpoint; `ids`, when given, gets each weight's node id -> key path."""
     graph = reader.object_graph
     if graph is None or not len(graph.nodes):
         raise CheckpointFormatError(
@@ -681,6 +691,8 @@ def _read_tf_checkpoint(reader, where: str, node: str | None, registry) -> Keras
             _insert(tree, path, _variable(reader.get(attr.checkpoint_key), path, registry, attr.checkpoint_key), where)
             layout.setdefault(path[:-1], []).append(path[-1])
             found.add(j)
+            if ids is not None:
+                ids[j] = path
     _check_nothing_hidden(g, model, found, model_path)
     if not tree:
         raise CheckpointFormatError(

@@ -14,6 +14,9 @@ import varstate
 from checkpoint import _dtypes
 from checkpoint._storage._files import replacing
 from checkpoint.keras._optimizer import h5_values
+from checkpoint.keras._pairing import BY_POSITION as _BY_POSITION
+from checkpoint.keras._pairing import SAME_NAMES as _SAME_NAMES
+from checkpoint.keras._pairing import pair_by_layer
 from checkpoint.keras._read import _VARS, KerasWeights, LayerLayout, _h5py, load_weights
 
 
@@ -42,14 +45,16 @@ def save_weights(
         path: the file to write; its name must end in ``.weights.h5`` (Keras
             reads this format only from such a name).
         weights: layer name -> {weight name -> Variable, array or scalar}
-            (what `load_weights` returns, changed or not); a `KerasWeights`
-            read from a Keras 3 file carries its layout.
+            (what `load_weights` or `load_optimizer_state` returns, changed
+            or not); a `KerasWeights` read from a Keras 3 file carries its
+            layout.
         like: a ``.weights.h5`` or ``.keras`` file Keras wrote for the same
             architecture, giving the layout; None uses ``weights.layout``.
         optimizer: a `varstate.optimizers.keras` optimizer whose state to
             write too; None writes none.
-        optimizer_state: its `OptimizerState`, made on `weights` (e.g. by
-            `load_optimizer_state`); given with `optimizer` or not at all.
+        optimizer_state: its `OptimizerState`, made on `weights` (as
+            `load_optimizer_state` returns them together); given with
+            `optimizer` or not at all.
 
     Returns:
         `path`.
@@ -200,8 +205,20 @@ def assign_weights(
       out) is an error unless ``strict=False``, which leaves it unchanged and
       lets weights go unused;
     - no ``name_map``, leaf names equal to the weights' paths: by name;
-    - otherwise by structure: the n-th leaf (JAX's order: dict keys sorted,
-      Module attributes sorted) takes the n-th weight in Keras's order.
+    - otherwise layer by layer (a leaf's layer is its name up to the last
+      ``/``): the layers pair by name when both sides have the same layer
+      names, else by position (JAX's order: dict keys sorted, Module
+      attributes sorted, list items in order); within a pair, weights pair
+      by name, Keras's or flax nnx's (``gamma`` is ``scale``, ``beta`` is
+      ``bias``, ``moving_mean`` is ``mean``, ``moving_variance`` is ``var``,
+      ``embeddings`` is ``embedding``), and by position only where the names
+      differ. So an ``nnx.List`` of ``nnx.Linear`` takes a Keras MLP's
+      weights although JAX sorts ``bias`` before ``kernel``;
+    - when the layers do not line up (other counts), leaf by leaf: the n-th
+      leaf takes the n-th weight in Keras's order.
+
+    A shape that does not fit says how its weight was found; only a pairing
+    by position suggests a ``name_map``.
 
     Every shape must match; a value takes the leaf's dtype when both are
     floats (or both integers), and goes to the leaf's sharding.
@@ -212,7 +229,7 @@ def assign_weights(
         weights: Keras weights, as `load_weights` returns them (or nested
             dicts of arrays).
         name_map: a dict or function from leaf name to the Keras weight's
-            path; None matches by name, else by structure (above).
+            path; None matches by name, else layer by layer (above).
         strict: every leaf must get a weight and every weight must be used;
             False leaves unmapped leaves unchanged and lets weights go unused
             (with `name_map` only).
@@ -246,9 +263,10 @@ def assign_weights(
     by_path = {"/".join(p): v for p, v in ordered}
     # Each leaf's Keras weight: (its path, its value), or None to leave the leaf unchanged.
     chosen: list[tuple[str, Any] | None]
+    hints = [_SAME_NAMES] * len(flat)  # what a shape that does not fit says, by how its weight was found
     if name_map is not None:
         lookup = name_map.get if isinstance(name_map, Mapping) else name_map
-        chosen = []
+        chosen, hints = [], [""] * len(flat)
         for name in leaf_names:
             source = lookup(name)
             if source is None and strict:
@@ -276,10 +294,11 @@ def assign_weights(
             f"target has {len(flat)} leaves but there are {len(ordered)} Keras weights, and the names differ "
             f"(target: {_some(leaf_names)}; Keras: {_some(by_path)}): pass a name_map"
         )
-    else:
-        chosen = [("/".join(p), v) for p, v in ordered]
-    new_leaves = [leaf if c is None else _fit(name, leaf, *c)
-                  for name, (_, leaf), c in zip(leaf_names, flat, chosen, strict=True)]
+    else:  # by layer (`pair_by_layer`), or leaf by leaf when the layers do not line up
+        hinted = pair_by_layer(leaf_names, list(by_path.items())) or [(p, v, _BY_POSITION) for p, v in by_path.items()]
+        chosen, hints = [(p, v) for p, v, _ in hinted], [h for _, _, h in hinted]
+    new_leaves = [leaf if c is None else _fit(name, leaf, *c, hint=h)
+                  for name, (_, leaf), c, h in zip(leaf_names, flat, chosen, hints, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
@@ -295,14 +314,11 @@ def _family(dtype: np.dtype) -> str:
     return {"i": "int", "u": "int", "f": "float", "b": "bool", "c": "complex"}.get(dtype.kind, dtype.kind)
 
 
-def _fit(name: str, leaf: Any, source: str, value: Any) -> Any:
+def _fit(name: str, leaf: Any, source: str, value: Any, *, hint: str = "") -> Any:
     value = _as_numpy(value)
     shape = tuple(np.shape(leaf))
     if value.shape != shape:
-        raise ValueError(
-            f"target leaf {name!r} has shape {shape}, but Keras weight {source!r} has {value.shape}"
-            + ("; the order of leaves differs from Keras's: pass a name_map" if not isinstance(leaf, str) else "")
-        )
+        raise ValueError(f"target leaf {name!r} has shape {shape}, but Keras weight {source!r} has {value.shape}{hint}")
     want = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else value.dtype
     if want != value.dtype and _family(want) != _family(value.dtype):
         raise ValueError(f"target leaf {name!r} is {want}, but Keras weight {source!r} is {value.dtype}")
