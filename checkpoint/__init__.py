@@ -21,6 +21,7 @@ from checkpoint._errors import CheckpointFormatError, DataLossError
 if _TYPE_CHECKING:
     from checkpoint._checkpoint import Checkpoint, read_checkpoint, restore_arrays
     from checkpoint._export import Asset, export, load, register_revived_type
+    from checkpoint._export._tf_saved_model import export_saved_model
     from checkpoint._manager import CheckpointManager, StepAlreadyExistsError, latest_checkpoint
     from checkpoint._status import LoadStatus
     from checkpoint._storage._distributed import ProcessGroupError
@@ -30,6 +31,7 @@ if _TYPE_CHECKING:
 _HOME = {name: module for module, names in {  # the module defining each public name, as imported above
     "_checkpoint": ("Checkpoint", "read_checkpoint", "restore_arrays"),
     "_export": ("Asset", "export", "load", "register_revived_type"),
+    "_export._tf_saved_model": ("export_saved_model",),
     "_manager": ("CheckpointManager", "StepAlreadyExistsError", "latest_checkpoint"),
     "_status": ("LoadStatus",),
     "_storage._distributed": ("ProcessGroupError",),
@@ -48,6 +50,7 @@ __all__ = [
     "ProcessGroupError",
     "StepAlreadyExistsError",
     "export",
+    "export_saved_model",
     "latest_checkpoint",
     "load",
     "read_checkpoint",
@@ -65,8 +68,8 @@ except _metadata.PackageNotFoundError:
 
 
 def __getattr__(name: str) -> _Any:
-    if name == "keras":  # the public submodule `checkpoint.keras`, also imported on first use
-        return _importlib.import_module("checkpoint.keras")
+    if name in ("keras", "safetensors"):  # the public submodules, also imported on first use
+        return _importlib.import_module(f"checkpoint.{name}")
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")

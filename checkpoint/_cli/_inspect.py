@@ -314,7 +314,8 @@ def _inspect_export(args) -> int:
         if fn is None:
             raise out.UsageError(f"{directory}: signature {label!r} names function {name!r}, which the export does not "
                               "have (the export is damaged)")
-        exported = _load.read_function(directory, definition, name, label)
+        # inspect runs nothing, so a kernel custom call is shown, not refused (off jax's stable list still is)
+        exported = _load.read_function(directory, definition, name, label, trust_custom_calls=True)
         inputs = _coder.structure_json(fn.canonicalized_input_signature)
         # ((args...), {}) as TF writes it: the positional arguments, as a list
         positional = inputs["tuple"][0]["tuple"] if inputs and "tuple" in inputs and inputs["tuple"] else inputs

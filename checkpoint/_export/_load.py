@@ -4,10 +4,12 @@ Nothing loaded executes Python code from the files: objects are rebuilt from
 the SavedObjectGraph (registered types through `register_revived_type`),
 values come from the TensorBundle, functions through `jax.export.deserialize`
 after their sha256 is checked against the ExportDef. A loaded signature does
-run the compiled code in its file; before it can, `read_function` refuses
-custom calls outside jax.export's own allow-list in the function and in its
-VJPs (an unknown target can crash the process), and every file read is a
-regular file of bounded size.
+run the compiled code in its file; before it can, `read_function` checks the
+custom calls of the function and of its VJPs: a target outside jax.export's
+own allow-list is refused (an unknown target can crash the process), and so
+is a kernel on that list unless the caller trusts the file (a kernel takes
+the buffer shapes the file declares on faith). Every file read is a regular
+file of bounded size.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ from varstate import Registry, Variable, VariableAggregation, VariableSynchroniz
 
 _log = logging.getLogger("checkpoint")
 MAX_VJP_ORDER = 8  # VJPs of a loaded function checked and accepted; jax.export serializes as many as asked
+# The targets on jax.export's stable list that run no kernel on buffers the file declares, so a lying type cannot
+# make them write out of bounds: annotations for the partitioner, the symbolic-shape check, an allocation, and
+# StableHLO ops spelled as custom calls until shape refinement turns them into ops whose types are verified
+# (refinement refuses a dynamic_reduce_window whose result type lies; without refinement XLA has no implementation).
+# Every other target, tpu_custom_call, mosaic_gpu_v2 and tf.call_tf_function included, needs trust_custom_calls.
+NON_KERNEL_TARGETS = frozenset({
+    "shape_assertion", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement",
+    "AllocateBuffer", "stablehlo.dynamic_reduce_window", "stablehlo.dynamic_rng_bit_generator",
+    "stablehlo.dynamic_top_k"})
 
 
 class RevivedObject:
@@ -128,7 +139,8 @@ class Signature:
                     "(symbolic dimensions accept any size).")
 
 
-def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> RevivedObject:
+def load(directory: str | os.PathLike, *, registry: Registry | None = None,
+         trust_custom_calls: bool = False) -> RevivedObject:
     """Loads an export: an object whose attributes mirror the exported root, plus `signatures`.
 
     Variables come back as `varstate.Variable` objects with their names and
@@ -141,6 +153,16 @@ def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> R
         directory: the export's directory (what `export` returned).
         registry: the `varstate.Registry` the Variables are made in; None is
             a new one, so that names are kept exactly.
+        trust_custom_calls: allow kernel custom calls (lapack, cuSOLVER,
+            Pallas's ``tpu_custom_call`` and ``mosaic_gpu_v2``,
+            ``tf.call_tf_function``: the targets on jax.export's stable list
+            that run a kernel). A kernel writes into buffers of the shapes
+            the file declares, unchecked, so a file that lies about them can
+            corrupt memory; pass True only for files whose author you trust.
+            Without it such an export is refused before anything runs (jax's
+            own non-kernel targets, such as ``shape_assertion`` for a
+            symbolic batch, need no trust). Targets off that list are
+            refused either way.
 
     Returns:
         The root as an object with its children as attributes (a
@@ -151,8 +173,9 @@ def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> R
         FileNotFoundError: `directory` is not an export (no ``export.pb``).
         CheckpointFormatError: a corrupt, incomplete or hostile export (a
             link, a file over its size bound, a function file whose hash
-            does not match), naming the file.
+            does not match, a custom call refused as above), naming the file.
         ValueError: an export of a newer format version than this reader.
+        TypeError: `trust_custom_calls` is not a bool.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> root = {"scale": varstate.Variable(jnp.float32(3.0), name="scale", trainable=False), "offset": jnp.ones(2)}
@@ -162,10 +185,12 @@ def load(directory: str | os.PathLike, *, registry: Registry | None = None) -> R
     >>> loaded.scale.name, loaded.scale.trainable, loaded.signatures["apply"](jnp.array([1.0, 2.0])).tolist()
     ('scale', False, [4.0, 7.0])
     """
+    if not isinstance(trust_custom_calls, bool):  # "no" would be true: a wrong guess here is memory corruption
+        raise TypeError(f"load: trust_custom_calls must be a bool, got {trust_custom_calls!r}.")
     directory = os.path.abspath(os.fspath(directory))
     definition = read_definition(directory)
     with BundleReader(os.path.join(directory, VARIABLES_PREFIX)) as reader:
-        return _Loader(directory, definition, reader, registry or Registry()).root()
+        return _Loader(directory, definition, reader, registry or Registry(), trust_custom_calls).root()
 
 
 def read_definition(directory: str) -> pb.ExportDef:
@@ -230,12 +255,15 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), f"file of mode {oct(mode)}")
 
 
-def read_function(directory: str, definition: pb.ExportDef, name: str, label: str) -> jax.export.Exported:
+def read_function(directory: str, definition: pb.ExportDef, name: str, label: str, *,
+                  trust_custom_calls: bool = False) -> jax.export.Exported:
     """Signature `label`'s function `name` deserialized, once its file, sha256 and custom calls are checked.
 
     The custom calls of every function the file carries are checked: the
     function and its VJPs (``Exported.vjp()``) to the last order serialized,
-    which may be at most `MAX_VJP_ORDER`; a file with more is refused.
+    which may be at most `MAX_VJP_ORDER`; a file with more is refused. Targets
+    off jax.export's stable list are refused; those on it outside
+    `NON_KERNEL_TARGETS` unless `trust_custom_calls`.
     """
     if not FUNCTION_NAME.fullmatch(name):  # a name from the file: it must stay one file name under functions/
         raise CheckpointFormatError(f"{os.path.join(directory, EXPORT_FILE)}: signature {label!r} names function "
@@ -252,13 +280,21 @@ def read_function(directory: str, definition: pb.ExportDef, name: str, label: st
     for order in range(MAX_VJP_ORDER + 1):
         what = f" (its VJP of order {order})" if order else ""
         # The file's own disabled_safety_checks are not honoured: the file is what is being checked.
-        unknown = sorted({t for t in custom_call_targets(function, path) if t not in stable})
+        targets = set(custom_call_targets(function, path))
+        unknown = sorted(targets - stable)
         if unknown:
             raise CheckpointFormatError(
                 f"{path}: signature {label!r}{what} calls XLA custom call target(s) {unknown}, which jax.export does "
                 f"not accept without a disabled safety check (JAX {jax.__version__} accepts {len(stable)} stable "
                 "targets); load refuses it before anything runs, as calling an unknown target can crash the process. "
                 "Export the function again without custom calls outside that list.")
+        kernels = sorted(targets - NON_KERNEL_TARGETS)
+        if kernels and not trust_custom_calls:
+            raise CheckpointFormatError(
+                f"{path}: signature {label!r}{what} calls kernel custom call target(s) {kernels}; load refuses them "
+                "before anything runs unless the caller trusts the file: a kernel writes into buffers of the shapes "
+                "the file declares, unchecked, so a file that lies about them can corrupt memory or crash the process. "
+                "If you trust the file's author, load it with checkpoint.load(path, trust_custom_calls=True).")
         if not function.has_vjp():
             return exported
         function = _deserialize(path, function.vjp, f"the VJP of order {order + 1} of signature {label!r}")
@@ -270,8 +306,12 @@ def read_function(directory: str, definition: pb.ExportDef, name: str, label: st
 def _deserialize(path: str, deserialize: Callable[[], jax.export.Exported], what: str) -> jax.export.Exported:
     try:
         return deserialize()
-    except (ValueError, TypeError, IndexError, struct.error) as e:
-        raise CheckpointFormatError(f"{path}: jax.export cannot deserialize {what} ({e}).") from e
+    # jax reads the flatbuffer in Python without verifying it first: damage surfaces as whichever of these the
+    # first bad offset or missing field leads to (found by tests/checkpoint/export/test_export_fuzz.py).
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, AssertionError, StopIteration,
+            struct.error, RecursionError, OverflowError) as e:
+        raise CheckpointFormatError(f"{path}: jax.export cannot deserialize {what} ({type(e).__name__}: {e}); "
+                                    "the file is corrupt.") from e
 
 
 def custom_call_targets(exported: jax.export.Exported, where: str) -> list[str]:
@@ -290,14 +330,18 @@ def custom_call_targets(exported: jax.export.Exported, where: str) -> list[str]:
             op = stack.pop()
             if op.name == "stablehlo.custom_call":
                 attr = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
-                targets.append(ir.StringAttr(attr).value if attr is not None else "<no call_target_name>")
+                # Bytes, not str: a name that is not UTF-8 is refused as unknown, not a nanobind RuntimeError.
+                targets.append(ir.StringAttr(attr).value_bytes.decode("utf-8", "backslashreplace")
+                               if isinstance(attr, ir.StringAttr) else "<no call_target_name>")
             stack.extend(inner.operation for region in op.regions for block in region for inner in block)
     return targets
 
 
 class _Loader:
-    def __init__(self, directory: str, definition: pb.ExportDef, reader: BundleReader, registry: Registry) -> None:
+    def __init__(self, directory: str, definition: pb.ExportDef, reader: BundleReader, registry: Registry,
+                 trust_custom_calls: bool) -> None:
         self.dir, self.definition, self.reader, self.registry = directory, definition, reader, registry
+        self.trust_custom_calls = trust_custom_calls
         self.graph = definition.object_graph
         self.ckpt_graph = self.reader.object_graph
         self.names = _graph.node_names(self.graph)
@@ -417,7 +461,7 @@ class _Loader:
         if name not in self.graph.concrete_functions or not FUNCTION_NAME.fullmatch(name):
             raise self.fail(i, f"names concrete function {name!r}, which the export does not have")
         label = self.names[i].replace("(root).", "").replace(f"{SIGNATURES}.", "", 1)
-        exported = read_function(self.dir, self.definition, name, label)
+        exported = read_function(self.dir, self.definition, name, label, trust_custom_calls=self.trust_custom_calls)
         captured = [self.node(n, i) for n in self.graph.concrete_functions[name].bound_inputs]
         if exported.in_tree.children()[0].children()[0].num_leaves != len(captured):  # ((captured, *args), {})
             raise self.fail(i, f"function {name!r} takes a different number of captured inputs than its "

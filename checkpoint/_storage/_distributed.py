@@ -17,17 +17,24 @@ identity, and nothing imports orbax's multi-host code. With N processes
    checkpoint and updates the ``checkpoint`` state file; a last barrier, so
    no process returns before the checkpoint is the latest.
 
-Every barrier goes through jax's distributed runtime (its coordination
-service), with a bounded timeout: a process that died or hangs makes the
-others raise `ProcessGroupError` naming it, never wait for ever.
+Every barrier goes through the key-value store of jax's distributed runtime
+(its coordination service), with a bounded timeout: a process that died or
+hangs makes the others raise `ProcessGroupError` naming it, never wait for
+ever. A dead one is named sooner: each process taking part in a save keeps a
+pulse in the store (a counter a thread bumps every second), and a barrier
+that sees a missing process's pulse stop for `PEER_TIMEOUT_S` names it then.
+That must come before jax's own verdict: after ``heartbeat_timeout_seconds``
+(`jax.distributed.initialize`, 100 s by default) without a heartbeat,
+jax's runtime ends every other process with SIGABRT and a C++ stack.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
-import re
 import threading
+import time
 
 import numpy as np
 
@@ -37,6 +44,12 @@ from checkpoint._storage import _orbax_private
 # reported (dead or stuck). Long enough for a slow writer of a large checkpoint, short enough that a
 # job whose peer died fails rather than hangs until the scheduler kills it.
 BARRIER_TIMEOUT_S = float(os.environ.get("VARSTATE_BARRIER_TIMEOUT_S", "600"))
+# Seconds without a pulse after which a process missing at a barrier is reported dead: well under jax's default
+# heartbeat timeout (100 s), after which jax's runtime aborts the survivors; well over the longest a live
+# process's pulse thread can be kept from running (it needs the GIL once a second).
+PEER_TIMEOUT_S = float(os.environ.get("VARSTATE_PEER_TIMEOUT_S", "30"))
+PULSE_S = 1.0
+_PREFIX = "varstate"
 
 
 class ProcessGroupError(RuntimeError):
@@ -69,44 +82,120 @@ def process_index() -> int:
 
 _USES: dict[str, int] = {}
 _USES_LOCK = threading.Lock()
-_TIMED_OUT = re.compile(r"timed out task names:\s*((?:\s*\S*?\d+\s*)+)", re.IGNORECASE)
+_PASSED: list[str] = []  # this process's keys of the barriers it passed, newest last
+_PULSE: list[threading.Event] = []  # set to stop the pulse; empty until it starts
+
+
+def _pulse(client, me: int) -> None:
+    """Starts this process's pulse (once): a counter in the key-value store, bumped every `PULSE_S` seconds."""
+    with _USES_LOCK:
+        if _PULSE:
+            return
+        stop = threading.Event()
+        _PULSE.append(stop)
+
+    def beat() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                client.key_value_set(f"{_PREFIX}/pulse/{me}", str(n), allow_overwrite=True)
+            except Exception:  # the runtime is shutting down or gone: a barrier reports what follows
+                return
+            stop.wait(PULSE_S)
+
+    thread = threading.Thread(target=beat, name="varstate-pulse", daemon=True)
+    thread.start()
+
+    def end() -> None:  # before jax's own exit handler (registered earlier, run later) shuts the client down
+        stop.set()
+        thread.join(2 * PULSE_S)
+
+    atexit.register(end)
+
+
+def _dir(client, directory: str) -> list[tuple[str, str]]:
+    """The keys under `directory` (ending in a process index) with their values; none if the runtime is gone."""
+    try:
+        return client.key_value_dir_get(directory)
+    except Exception:  # the runtime is shutting down or gone: the missing stay missing until the timeout
+        return []
 
 
 def barrier(name: str, timeout_s: float | None = None) -> None:
     """Blocks until every process reaches the barrier `name` (unique per save), or raises ProcessGroupError.
 
-    The error names the processes that did not arrive (from jax's report).
+    The error names the processes that did not arrive: at once dead where
+    their pulse stopped for `PEER_TIMEOUT_S`, else after `timeout_s`.
     """
     if process_count() == 1:
         return
+    import jax
+
     timeout_s = BARRIER_TIMEOUT_S if timeout_s is None else timeout_s
     with _USES_LOCK:  # the k-th barrier of a name is the same on every process (each save of a path is ordered)
         _USES[name] = _USES.get(name, 0) + 1
         name = f"{name}#{_USES[name]}"
     client = _orbax_private.jax_distributed_client()
+    me, n = jax.process_index(), jax.process_count()
+    _pulse(client, me)
+    here = f"{_PREFIX}/barrier/{name}/"
+    mine = f"{here}{me}"
     try:
-        client.wait_at_barrier(name, int(timeout_s * 1000))
-    except Exception as e:  # jax raises JaxRuntimeError; its text names the tasks that timed out
-        raise _missing(name, timeout_s, e) from None
+        client.key_value_set(mine, "1", allow_overwrite=True)
+    except Exception as e:  # jax's JaxRuntimeError: the coordination service is gone (process 0 died)
+        raise ProcessGroupError(
+            f"Process {me} of {n}: cannot reach jax's coordination service (run by process 0) at the barrier "
+            f"{name!r} ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); process 0 died "
+            "or left. The save was abandoned; check process 0's log, then restart the job.") from e
+    start = checked = time.monotonic()
+    waiting, delay = set(range(n)) - {me}, 0.002
+    beats: dict[int, tuple[str, float]] = {}  # process -> its last pulse seen, and when it was first seen
+    # Two directory reads per look, whatever the number of processes (the coordinator serves every process),
+    # looking more rarely the longer the wait: a quick barrier stays quick, a long one costs a few reads a second.
+    while waiting:
+        waiting -= {int(key.rsplit("/", 1)[1]) for key, _ in _dir(client, here)}
+        if not waiting:
+            break
+        now = time.monotonic()
+        if now - checked >= PULSE_S:  # a process that never pulsed is not judged: only the timeout speaks for it
+            checked = now
+            for key, beat in _dir(client, f"{_PREFIX}/pulse/"):
+                p = int(key.rsplit("/", 1)[1])
+                if beats.get(p, (None,))[0] != beat:
+                    beats[p] = (beat, now)
+        dead = sorted(p for p in waiting if p in beats and now - beats[p][1] > PEER_TIMEOUT_S)
+        if dead or now - start > timeout_s:
+            raise _missing(name, timeout_s, sorted(waiting), dead)
+        time.sleep(delay)
+        delay = min(2 * delay, 0.25)
+    # Every process passed the previous barrier before any could pass this one: its key is read by no one now.
+    _PASSED.append(mine)
+    if len(_PASSED) > 1:
+        try:
+            client.key_value_delete(_PASSED.pop(0))
+        except Exception:  # a key left behind costs a few bytes; the next barrier reports a runtime that is gone
+            pass
 
 
-def _missing(name: str, timeout_s: float, error: BaseException) -> ProcessGroupError:
+def _missing(name: str, timeout_s: float, missing: list[int], dead: list[int]) -> ProcessGroupError:
     import jax
 
-    text = str(error)
-    found = _TIMED_OUT.search(text)
-    missing = sorted({int(n) for n in re.findall(r"\d+", found.group(1))}) if found else []
-    # Not asked of jax's runtime which are alive: get_live_nodes waits for the dead to be declared dead
-    # (the heartbeat timeout, 100 s by default), which would make this bound that long.
-    missing = missing or [p for p in range(jax.process_count()) if p != jax.process_index()]
     states = ", ".join(f"process {p}" for p in missing)
-    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    abandoned = "The save was abandoned: the checkpoint being written is not published and the latest checkpoint is " \
+                "unchanged."
+    if dead:
+        return ProcessGroupError(
+            f"Process {jax.process_index()} of {jax.process_count()}: {states} did not reach the barrier {name!r}: "
+            f"{('it' if len(dead) == 1 else 'they') if dead == missing else ', '.join(f'process {p}' for p in dead)} "
+            f"died or exited (no pulse for {PEER_TIMEOUT_S:g} s, "
+            f"VARSTATE_PEER_TIMEOUT_S). {abandoned} Every process must call each save and restore; check the log of "
+            f"process {', '.join(map(str, dead))}, then restart the job.")
     return ProcessGroupError(
         f"Process {jax.process_index()} of {jax.process_count()}: {states} did not reach the barrier {name!r} "
-        f"within {timeout_s:g} s (it died or is stuck; {first}). The save was abandoned: the checkpoint being "
-        "written is not published and the latest checkpoint is unchanged. If that process is alive, it did not "
-        "call this save or restore: every process must call it, not only process 0. Otherwise check that "
-        "process's log, then restart the job."
+        f"within {timeout_s:g} s (it died or is stuck). {abandoned} If that process is alive, it did not call this "
+        "save or restore: every process must call it, not only process 0. Otherwise check that process's log, then "
+        "restart the job."
     )
 
 
@@ -141,7 +230,10 @@ def allgather_bytes(data: bytes, what: str = "exchanging metadata (checksums, in
     """Every process's `data`, in process order (small metadata only: offsets, checksums); `what` for errors."""
     if process_count() == 1:
         return [data]
+    import jax
     from jax.experimental import multihost_utils
+
+    _pulse(_orbax_private.jax_distributed_client(), jax.process_index())  # a save's first exchange: pulse from here
 
     try:
         sizes = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int64))).reshape(-1)

@@ -133,3 +133,16 @@ def test_inspect_refuses_what_load_refuses_in_one_line(run, exported):
     code, _, err = run("inspect", exported)
     assert code == 2 and re.fullmatch(rf"varstate-ckpt: error: .*/functions/{name}: the function file does not "
                                       r"match its sha256 in export\.pb .*\n", err)
+
+
+def test_inspect_shows_an_export_whose_kernel_load_refuses(run, tmp_path):
+    # inspect runs no function, so a kernel custom call (lapack, which load refuses by default) does not stop it
+    a = varstate.Variable(jnp.eye(3) * 2.0, name="a")
+    path = checkpoint.export(tmp_path / "solve", {"a": a},
+                             {"solve": (lambda r, b: jnp.linalg.solve(r["a"].value, b), (jnp.zeros(3),))})
+    with pytest.raises(checkpoint.CheckpointFormatError, match="trust_custom_calls=True"):
+        checkpoint.load(path)
+    code, out, err = run("inspect", path, "--json")
+    assert (code, err) == (0, "")
+    (signature,) = json.loads(out)["signatures"]
+    assert (signature["name"], signature["reads"]) == ("solve", ["a"])
