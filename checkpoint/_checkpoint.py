@@ -160,6 +160,14 @@ class Checkpoint:
             name is the first part of its values' checkpoint keys
             (``model/kernel/.ATTRIBUTES/VARIABLE_VALUE``).
 
+    An optimizer state's slots are saved under their Variables' nodes, as TF
+    saves them, so a slot whose Variable is not among the roots is left out
+    (an optimizer saved alone keeps only its non-slot values, as
+    ``tf.train.Checkpoint(optimizer=opt)``; a part of the model keeps the
+    slots of that part). Saving a state beside a model that holds none of
+    its slots' Variables (an nnx Module, or params rebuilt, instead of the
+    params the optimizer stepped) raises ValueError at `save` and `write`.
+
     Raises:
         ValueError: a root named ``save_counter`` (the checkpoint's own counter).
 
@@ -266,8 +274,9 @@ class Checkpoint:
             The absolute path of ``file_prefix-N``.
 
         Raises:
-            ValueError: an unknown `format`, or a name in `roots` that is not a
-                root of this Checkpoint.
+            ValueError: an unknown `format`; a name in `roots` that is not a
+                root of this Checkpoint; an optimizer state saved beside a
+                model holding none of its slots' Variables (see the class).
 
         >>> import os, tempfile, jax.numpy as jnp, checkpoint
         >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -298,7 +307,7 @@ class Checkpoint:
                     record)()
         return path
 
-    def restore(self, save_path: str | None, *, strict: bool = False) -> LoadStatus:
+    def restore(self, save_path: str | None, *, strict: bool = False, expect_partial: bool = False) -> LoadStatus:
         """Restores the roots from `save_path` by object-graph structure; see `LoadStatus`.
 
         Args:
@@ -311,12 +320,22 @@ class Checkpoint:
                 status's assertions, or restore the rest later with
                 ``status.restore``); True requires every value of the roots and
                 every value in the checkpoint to match.
+            expect_partial: True says that a partial restore is intended: a
+                root that matches no value of the checkpoint (a root new since
+                it was saved) is returned as given, and no warning is logged
+                for the checkpoint's values left unrestored
+                (`LoadStatus.expect_partial`). The assertions still check.
 
         Returns:
             A `LoadStatus`, whose ``status.<root>`` is the restored root.
 
         Raises:
-            ValueError: with `strict`, a value unmatched on either side; a
+            ValueError: beside roots that matched, a root holding values
+                that matches none of the checkpoint's (not in it, or of
+                another structure), naming it and the checkpoint's roots,
+                unless `expect_partial` (when nothing matched at all, the
+                status's assertions name it, as TF leaves it to them); with
+                `strict`, a value unmatched on either side; a
                 name-based checkpoint (use `restore_by_name`); a value whose
                 shape does not fit its template.
             TypeError: a value whose dtype does not fit its template.
@@ -333,7 +352,7 @@ class Checkpoint:
         if save_path is None:
             status: LoadStatus = InitializationOnlyStatus(dict(self._roots))
         else:
-            status = self._restore(save_path)
+            status = self._restore(save_path, strict=strict, expect_partial=expect_partial)
         if strict:
             try:
                 status.assert_consumed()
@@ -346,7 +365,7 @@ class Checkpoint:
                 ) from None
         return status
 
-    def _restore(self, save_path: str) -> LoadStatus:
+    def _restore(self, save_path: str, *, strict: bool = False, expect_partial: bool = False) -> LoadStatus:
         if _distributed.process_count() > 1:  # every process must load the same values onto the same shardings
             graph = _graph.build(dict(self._roots))
             values = _graph.values(graph)
@@ -359,6 +378,7 @@ class Checkpoint:
                 "with checkpoint.restore_by_name(path, params)."
             )
         state = _graph.RestoreState(reader)
+        state.expect_partial = expect_partial
         root = state.proto.nodes[0]
         counter = next((r.node_id for r in root.children if r.local_name == _keys.SAVE_COUNTER), None)
         if counter is not None:
@@ -380,7 +400,8 @@ class Checkpoint:
             self.save_counter = int(np.asarray(reader.get(key)).item())
             self._counter_tracked = True
             state.matched[counter] = "(root).save_counter"
-        return LoadStatus(state, _graph.restore_roots(state, self._roots))
+        # With strict, a root matching nothing fails the assertions below, with the message strict gives
+        return LoadStatus(state, _graph.restore_roots(state, self._roots, raise_dead=not strict))
 
 
 def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True, checkpointer: Any = None,

@@ -672,7 +672,7 @@ class CheckpointManager:
                 )
         else:
             path = self._locate(_as_step(step, "CheckpointManager.restore"))
-        status = Checkpoint(**templates).restore(path, strict=strict)
+        status = Checkpoint(**templates).restore(path, strict=strict, expect_partial=expect_partial)
         return status.expect_partial() if expect_partial else status
 
     def close(self) -> None:

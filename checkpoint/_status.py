@@ -113,7 +113,9 @@ class LoadStatus:
             This status, to chain (``status.assert_consumed().model``).
 
         Raises:
-            AssertionError: an object was unmatched (the message lists up to 10).
+            AssertionError: an object was unmatched (the message lists up to
+                10, and names each root that matched no value of the checkpoint
+                with the checkpoint's roots).
         """
         unmatched = list(self._state.unmatched)
         if unmatched:
@@ -121,6 +123,7 @@ class LoadStatus:
             raise AssertionError(
                 f"Found {n} Python objects that were not bound to checkpointed values, likely due to "
                 f"changes in the Python program. Showing {min(n, 10)} of {n} unmatched objects: {unmatched[:10]}"
+                + _why(self._state)
             )
         return self
 
@@ -141,6 +144,7 @@ class LoadStatus:
                     "Nothing except the root object matched a checkpointed value. Typically this means that "
                     "the checkpoint does not match the Python program. The following objects have no matching "
                     f"checkpointed value: {list(st.unmatched)[:10]}"
+                    + _why(st)
                 )
             raise AssertionError("Nothing to load. No dependencies have been added to the Checkpoint yet.")
         return self
@@ -153,6 +157,11 @@ class LoadStatus:
         """
         self._state.expect_partial = True
         return self
+
+
+def _why(state: RestoreState) -> str:
+    """The end of an assertion's message: why each root that matched nothing did not (see `restore_roots`)."""
+    return ". " + " ".join(state.dead_roots.values()) if state.dead_roots else ""
 
 
 class InitializationOnlyStatus(LoadStatus):

@@ -61,6 +61,7 @@ def build(roots: dict[str, Any]) -> Graph:
     labels = ["(root)"]  # TF's pretty names, for errors
     objects: list[Any] = [None]
     kinds = [Kind.CONTAINER]
+    in_optimizer = [False]  # node id -> reached through an optimizer state (its non-slots, plain slots)
     node_of: dict[Any, int] = {}
     saveables: list[Saveable] = []
 
@@ -85,6 +86,7 @@ def build(roots: dict[str, Any]) -> Graph:
                 labels.append(f"{labels[parent]}.{name}")
                 objects.append(child)
                 kinds.append(k)
+                in_optimizer.append(kinds[parent] == Kind.OPTIMIZER or in_optimizer[parent])
                 if ident is not None:
                     node_of[ident] = node_id
                 if k in (Kind.CONTAINER, Kind.OPTIMIZER):
@@ -103,7 +105,11 @@ def build(roots: dict[str, Any]) -> Graph:
     # whose primary is not saved is skipped).
     primary_node = {v.resource_id: node_id for node_id, (k, obj) in enumerate(zip(kinds, objects, strict=True))
                     if k in (Kind.VARIABLE, Kind.PARTITIONED) for v in node_variables(obj)}
+    weights = next((labels[i] for i, (k, obj) in enumerate(zip(kinds, objects, strict=True))
+                    if not in_optimizer[i] and _is_weight(k, obj)), None)
     for opt_id in [i for i, k in enumerate(kinds) if k == Kind.OPTIMIZER]:
+        if weights is not None:
+            _check_primaries_saved(objects[opt_id], labels[opt_id], primary_node, weights)
         grouped: dict[tuple[int, str], list[Variable]] = {}
         for (rid, slot_name), slot in linked_slots(objects[opt_id]):
             if rid in primary_node:
@@ -127,6 +133,45 @@ def build(roots: dict[str, Any]) -> Graph:
                                              slot_variable_node_id=existing)
     _mark_values(proto)
     return Graph(proto, saveables, paths, objects)
+
+
+def _is_weight(k: Kind, obj: Any) -> bool:
+    """A model's value: a Variable, or an array of rank 1 or more (an nnx Module's values are plain arrays)."""
+    return k in (Kind.VARIABLE, Kind.PARTITIONED) or (k == Kind.ARRAY and len(getattr(obj, "shape", ())) > 0)
+
+
+def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int], weights: str) -> None:
+    """Refuses an optimizer state saved beside a model holding none of the Variables its slots belong to.
+
+    TF saves a slot only under its primary's node, so a slot whose primary is
+    not saved is left out. When a model is saved (`weights` names its first
+    value) but not one of the state's primaries is, the state was built on
+    other Variables (an nnx Module or a rebuilt tree given as the model) and
+    every slot would be lost. Some primaries saved (a part of the model) and
+    an optimizer saved with no model keep TF's behaviour.
+    """
+    first = None
+    for slot_name, tree in state.slots.items():
+        for path, slot in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Variable))[0]:
+            link = _seam.slot_link(slot) if isinstance(slot, Variable) else None
+            if link is not None and link[0] in primary_node:
+                return
+            if link is not None and first is None:
+                first = (slot_name, path, slot)
+    if first is None:
+        return
+    slot_name, path, slot = first
+    suffix = f"/{slot_name}"
+    primary = slot.name[: -len(suffix)] if slot.name.endswith(suffix) else slot.name
+    raise ValueError(
+        f"Cannot checkpoint the optimizer {where}: none of its slots belongs to a saved Variable. The first, "
+        f"{slot_name!r} ({slot.name!r}), is for the Variable {primary!r} (params{jax.tree_util.keystr(path)}), "
+        f"which is not among the saved Variables (the model saved starts at {weights}), so every slot would be "
+        "left out, as TF leaves out a slot whose Variable is not saved, and the training state lost. Save the "
+        "params the optimizer stepped: Checkpoint(model=params, optimizer=state) with the params apply_gradients "
+        "returned (for an nnx model, the params of varstate.nnx.from_nnx(model), not the Module). An optimizer "
+        "saved with no model (Checkpoint(optimizer=state)) keeps only its non-slot values, as in TF."
+    )
 
 
 def _mark_values(proto: TrackableObjectGraph) -> None:

@@ -79,6 +79,7 @@ class RestoreState:
     pending_slots: dict[tuple[int, int, str], str] = dataclasses.field(default_factory=dict)  # awaiting a primary
     node_rids: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # node -> its Variables' resources
     expect_partial: bool = False
+    dead_roots: dict[str, str] = dataclasses.field(default_factory=dict)  # root given -> why it matched no value
 
     def __post_init__(self) -> None:
         self.proto = self.reader.object_graph
@@ -96,19 +97,47 @@ class RestoreState:
                 roots = sorted({".".join(self.names[i].rsplit(" for ", 1)[-1].split(".")[:2]) for i in left})
                 _log.warning("Some values in the checkpoint were not restored: %s%s (under %s). Call "
                              "expect_partial() on the status (CheckpointManager.restore: expect_partial=True) if "
-                             "this is intended.", self.names[left[0]],
-                             f" and {len(left) - 1} more" if len(left) > 1 else "", ", ".join(roots))
+                             "this is intended.%s", self.names[left[0]],
+                             f" and {len(left) - 1} more" if len(left) > 1 else "", ", ".join(roots),
+                             "".join(f" {why}" for why in self.dead_roots.values()))
         except Exception:  # never raise from a finalizer
             pass
 
 
-def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
-    """Matches `roots` against the checkpoint's graph and loads their values; returns the restored roots."""
+def restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool = True) -> dict[str, Any]:
+    """Matches `roots` against the checkpoint's graph and loads their values; returns the restored roots.
+
+    A root that holds values and matched none of the checkpoint's is recorded
+    in `st.dead_roots` (for the status's assertions and warning) and, when
+    other values did match, with `raise_dead` unless `st.expect_partial`,
+    raises ValueError before anything is loaded.
+    """
     top = {r.local_name: r.node_id for r in st.proto.nodes[0].children}
     found = _Found()
-    tree = {name: _match(st, _walk.unwrap(obj), top.get(name), f"(root).{name}", found) for name, obj in roots.items()}
-    for opt in found.opts:
-        _match_slots(st, opt, found)
+    tree, took, missed = {}, {}, {}  # per root: values matched, template values without a saved one
+    for name, obj in roots.items():
+        cells, left, opts = len(found.cells), len(st.unmatched), len(found.opts)
+        tree[name] = _match(st, _walk.unwrap(obj), top.get(name), f"(root).{name}", found)
+        took[name], missed[name] = len(found.cells) - cells, len(st.unmatched) - left
+        for opt in found.opts[opts:]:  # slots are matched last (after every primary), but belong to this root
+            cells, left = len(found.cells), len(st.unmatched)
+            _match_slots(st, opt, found)
+            took[name] += len(found.cells) - cells
+            missed[name] += len(st.unmatched) - left
+    for name in roots:
+        if not took[name] and missed[name]:
+            st.dead_roots[name] = _dead_root(st, name, top)
+        else:
+            st.dead_roots.pop(name, None)
+    dead = [name for name in roots if name in st.dead_roots]
+    # Nothing matched at all is left to the status (assert_nontrivial_match), as TF; beside values that
+    # matched, a root matching nothing is a misnamed root or a wrong template that would pass unnoticed.
+    others = any(label != f"(root).{_keys.SAVE_COUNTER}" and 0 <= i < len(st.proto.nodes)
+                 and st.proto.nodes[i].attributes for i, label in st.matched.items())
+    if dead and others and raise_dead and not st.expect_partial:
+        st.expect_partial = True  # the error says it all: no warning when the state is discarded
+        raise ValueError(f"{st.dead_roots[dead[0]]} Or, if the root is new and not in this checkpoint, restore "
+                         "with expect_partial=True.")
     loaded = _load(st, found.cells)
 
     def resolve(x):
@@ -127,6 +156,25 @@ def restore_roots(st: RestoreState, roots: dict[str, Any]) -> dict[str, Any]:
         if _walk.unwrap(obj) is not obj:  # an nnx Variable as a root: a new one of its type, as inside a Module
             out[name] = obj.replace(out[name])
     return out
+
+
+def _dead_root(st: RestoreState, name: str, top: dict[str, int]) -> str:
+    """Why root `name` matched no value of the checkpoint: absent there, or another structure under it."""
+    roots = sorted(set(top) - {_keys.SAVE_COUNTER})
+    where = f"the checkpoint {st.reader.path!r}" if getattr(st.reader, "path", None) else "the checkpoint"
+    if name not in top:
+        return (f"Root {name!r} matched no value in {where}: it has no root {name!r}; its roots are {roots}. "
+                "Rename the root to the one holding its values (Checkpoint(<name>=...)), or pass the template of "
+                "the model this checkpoint was saved from.")
+    node = st.proto.nodes[top[name]] if 0 <= top[name] < len(st.proto.nodes) else None
+    saved = sorted(r.local_name for r in node.children)[:10] if node is not None else []
+    under = f"(root).{name}"
+    first = next((label for label in st.unmatched if label == under or label.startswith((f"{under}.", f"{under}'"))),
+                 under)
+    return (f"Root {name!r} matched no value in {where}: none of its values is saved under (root).{name} (the "
+            f"first is {first}); the checkpoint's (root).{name} holds {saved}, and its roots are {roots}. The "
+            "template is of another structure: pass the template of the model this checkpoint was saved from, or "
+            "the root holding the values of this one.")
 
 
 def _match(st: RestoreState, obj, node_id, label, found: _Found) -> Any:
