@@ -23,6 +23,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._crc import crc32c, mask
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, within
+from checkpoint._storage._host import aligned_empty, place, read_ahead
 from checkpoint._storage._table import read_table, read_varint
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
@@ -314,7 +315,7 @@ class BundleReader:
         fd, where = located
         if dtype.kind == "O":
             return self._strings(where, pread(fd, entry.size, entry.offset, where), shape, entry.crc32c)
-        out = np.empty(shape, dtype)
+        out = aligned_empty(shape, dtype)  # what device_put takes without a copy
         flat = out.reshape(-1).view(np.uint8)
         pread_into(fd, flat, entry.offset, where)
         self._checked(flat, entry, where, dtype)
@@ -360,14 +361,37 @@ class BundleReader:
         return out.reshape(shape)
 
     def get_into(self, key: str, sharding: Any) -> Any:
-        import jax  # only here: reading a TF checkpoint imports no jax until a value is placed
-
-        return jax.device_put(self.get(key), sharding)
+        value = self.get_many({key: sharding})[key]
+        return place(value, sharding) if isinstance(value, np.ndarray) else value
 
     def get_many(self, requests: dict[str, Any]) -> dict[str, Any]:
-        # On the host whatever the sharding asked for: the caller places them, after reading the dtype each was
-        # stored in (a quantized TF dtype's tag, which a jax.Array would drop).
-        return {k: self.get(k) for k in requests}
+        """{key: target sharding or None} -> {key: jax.Array on that sharding, or np.ndarray}.
+
+        A value saved whole, in a plain dtype, for a sharding this process
+        holds whole is read into the aligned buffer it is placed from (no
+        second host copy), in threads a few values ahead, each checksummed
+        there before it is placed. The rest come back on the host: the caller
+        places them after reading the dtype each was stored in (a quantized
+        TF dtype's tag, which a jax.Array would drop).
+        """
+        direct = {k: s for k, s in requests.items() if s is not None and self._direct(k, s)}
+        out: dict[str, Any] = {}
+        if direct:
+            plans = {}  # every entry checked before the first byte is read
+            for key in direct:
+                shape, dtype, entry = self.shape(key), self.dtype(key), self.entry(key)
+                plans[key] = (entry, self._locate(key, entry, shape, dtype), shape, dtype)
+            for key, host in read_ahead(direct, lambda k: self._read(k, *plans[k]), lambda k: plans[k][0].size):
+                out[key] = place(host, direct[key])
+        return {k: out[k] if k in out else self.get(k) for k in requests}
+
+    def _direct(self, key: str, sharding: Any) -> bool:
+        import jax  # only here: reading a TF checkpoint imports no jax until a value is placed
+
+        held = sharding.is_fully_addressable if isinstance(sharding, jax.sharding.Sharding) else \
+            isinstance(sharding, jax.Device) and sharding.process_index == jax.process_index()
+        dtype = self.dtype(key)
+        return held and not self.entry(key).slices and dtype.kind != "O" and dtype.metadata is None
 
     @cached_property
     def object_graph(self):

@@ -40,6 +40,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint._storage._crc import crc32c
 from checkpoint._storage._files import read_regular, within
+from checkpoint._storage._host import aligned_empty, place, release_freed_memory
 from checkpoint._storage._orbax_layout import (
     FORMAT,
     META_FILE,
@@ -72,6 +73,7 @@ __all__ = ["FORMAT", "META_FILE", "VERSION", "OrbaxReader", "checkpointer", "crc
 _META_LIMIT = 256 << 20  # bytes of meta/metadata; a million keys take about 200 MB
 _OPEN_AHEAD = 256  # arrays opened ahead of the reads
 _READ_AHEAD = 64 << 20  # bytes of values being read while the ones before are checked and placed
+_TRIM_EVERY = 16 << 20  # bytes of values read between two returns of tensorstore's freed buffers to the system
 
 
 class OrbaxReader(KeyedReader):
@@ -239,7 +241,7 @@ class OrbaxReader(KeyedReader):
         for name, host in self._read(streamed):  # checked on the host, before any device holds it
             key, part, sharding = streamed[name]
             self._check_read(name, key, part, host)
-            out[key] = jax.device_put(self._value(key, part, {name: host}), sharding)
+            out[key] = place(self._value(key, part, {name: host}), sharding)  # no copy where it can
         for key in requests:
             e = self._entries[key]
             if key in out:
@@ -308,19 +310,28 @@ class OrbaxReader(KeyedReader):
         opening = collections.deque(start_open(name) for name in names[:_OPEN_AHEAD])
         later = collections.deque(names[_OPEN_AHEAD:])
         reading: collections.deque = collections.deque()
-        ahead = 0
+        ahead = freed = 0
         while opening or reading:
-            while opening and (not reading or ahead < _READ_AHEAD):
+            # two values at least: a large one is one read in one of tensorstore's threads
+            while opening and (len(reading) < 2 or ahead < _READ_AHEAD):
                 name, future = opening.popleft()
                 if later:
                     opening.append(start_open(later.popleft()))
                 store = future_result(self.path, future, {name: want[name]})
                 nbytes = math.prod(store.shape) * store.dtype.numpy_dtype.itemsize
-                reading.append((name, store.read(), nbytes))
+                # Straight into the buffer the value is placed from: tensorstore's own result would be
+                # copied again by device_put (it is not 64-byte aligned).
+                buf = aligned_empty(tuple(store.shape), store.dtype.numpy_dtype)
+                reading.append((name, buf, ts.array(buf, copy=False, write=True).write(store), nbytes))
                 ahead += nbytes
-            name, future, nbytes = reading.popleft()
+            name, buf, future, nbytes = reading.popleft()
             ahead -= nbytes
-            yield name, future_result(self.path, future, {name: want[name]})
+            future_result(self.path, future, {name: want[name]})
+            freed += nbytes
+            if freed >= _TRIM_EVERY:
+                release_freed_memory()  # tensorstore's read buffers for the values up to this one
+                freed = 0
+            yield name, buf
 
     def _check_read(self, name: str, key: str, part: dict, value: Any) -> None:
         """Raises unless `value`, read for stored array `name`, has the shape and dtype it is stored with.

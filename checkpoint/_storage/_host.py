@@ -1,0 +1,121 @@
+"""Host buffers that become device arrays without a copy, and the reads that fill them ahead of their use.
+
+XLA's CPU client takes a C-contiguous NumPy buffer whose data starts on a
+64-byte boundary as it is (the jax.Array aliases it); NumPy's own
+allocations are 16-byte aligned, and a buffer so placed is copied. A restore
+reads each stored value into `aligned_empty` and places it with `place`:
+on CPU the restored arrays are those very buffers, so a restore holds the
+data once, plus the values being read ahead (`READ_AHEAD` bytes).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import math
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+ALIGN = 64  # bytes: what XLA's CPU client takes without a copy
+READ_AHEAD = 256 << 20  # bytes of values read (and checksummed) ahead of the one being placed
+READERS = 16  # threads reading ahead: one per stored array of a typical large checkpoint; a disk (NVMe) wants
+# many reads in flight, and a thread waiting on one costs nothing (as many as tensorstore's file I/O uses)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on a 64-byte boundary (`device_put` takes it as is).
+
+    >>> aligned_empty((3, 5), np.float32).ctypes.data % 64
+    0
+    """
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
+def _aligned(x: np.ndarray) -> bool:
+    return x.flags.c_contiguous and x.ctypes.data % ALIGN == 0
+
+
+def place(host: np.ndarray, sharding: Any) -> Any:
+    """`host` as a jax.Array on `sharding` (a Sharding or a Device), sharing its buffer wherever the devices can.
+
+    `jax.device_put` places each shard that is a contiguous, 64-byte-aligned
+    part of an aligned `host` (the whole, or a split along the first axis at
+    a multiple of 64 bytes, as on a mesh of CPU devices) without a copy, and
+    copies any other; an unaligned `host` is first copied into an aligned
+    buffer, so that a shard that can be shared is.
+    """
+    import jax
+
+    if not (host.flags.c_contiguous and host.ctypes.data % ALIGN == 0):
+        aligned = aligned_empty(host.shape, host.dtype)
+        np.copyto(aligned, host)
+        host = aligned
+    return jax.device_put(host, sharding)
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to give back this way
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_TRIM = _libc_trim()
+
+
+def release_freed_memory() -> None:
+    """Returns the memory glibc's allocator holds free to the system (a no-op without glibc).
+
+    A storage library's read buffers of a few MB, freed in its threads, stay
+    in glibc's per-thread heaps once its adaptive mmap threshold has risen past
+    their size, while the next values' buffers are taken from elsewhere: a
+    restore would hold that garbage beside the data. Only free pages are
+    released, so this is safe at any time; it costs a walk of the heaps.
+    """
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+def read_ahead(items: Iterable[T], read: Callable[[T], R], nbytes: Callable[[T], int]) -> Iterator[tuple[T, R]]:
+    """Yields (item, read(item)) in order, `read` running in `READERS` threads up to `READ_AHEAD` bytes ahead.
+
+    `read` (a positioned read and its checksum, both outside the GIL) of the
+    next values overlaps the caller's work on this one. An exception from
+    `read` is raised when its item's turn comes; the reads still queued are
+    cancelled.
+
+    >>> [r for _, r in read_ahead([1, 2, 3], lambda x: x * 10, lambda x: 8)]
+    [10, 20, 30]
+    """
+    pending: collections.deque = collections.deque()
+    todo = iter(items)
+    ahead = 0
+    with ThreadPoolExecutor(READERS, thread_name_prefix="checkpoint-read") as pool:
+        try:
+            for item in todo:
+                size = nbytes(item)
+                while pending and ahead + size > READ_AHEAD:
+                    done, future, n = pending.popleft()
+                    ahead -= n
+                    yield done, future.result()
+                pending.append((item, pool.submit(read, item), size))
+                ahead += size
+            while pending:
+                done, future, n = pending.popleft()
+                yield done, future.result()
+        finally:
+            for _, future, _ in pending:
+                future.cancel()
