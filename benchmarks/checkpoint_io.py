@@ -11,6 +11,11 @@ Prints seconds and the ratios ours/raw and orbax/ours. TensorFlow's figures on t
 machine kind (from the issue) are printed for reference; TF is not imported.
 
     .venv/bin/python -m benchmarks.checkpoint_io
+    .venv/bin/python -m benchmarks.checkpoint_io safetensors [MiB]   # the safetensors row alone (default 256)
+    .venv/bin/python -m benchmarks.checkpoint_io restore [MiB]       # the large restore row alone (default 2048)
+
+The safetensors row: one file of 16 float32 arrays, loaded in a fresh process per contender (ours into numpy
+and into jax arrays, the safetensors package's numpy and flax `load_file`), peak RSS over the RSS before the load.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import orbax.checkpoint as ocp
 import checkpoint
 import varstate
 from benchmarks._common import best
+from benchmarks._restore_row import print_restore, restore_row
 
+RESTORE_BYTES = 2 << 30  # the large restore row's data (issue 27)
 REPEATS = 5  # the machine is noisy: 3 let one slow round through (a 2.9x restore once)
 TF_FIGURES = {"large": (0.65, 0.24), "small": (0.78, 0.87)}  # tf.train.Checkpoint save, restore (issue)
 
@@ -112,13 +119,99 @@ def measure(name, model, root):
             "paired": (paired_s, paired_l)}
 
 
+# --- safetensors: one process per contender, so that each one's peak RSS is its own -----------------------------
+_ST_CHILD = r"""
+import os, sys, time
+import jax, numpy as np
+contender, path = sys.argv[1:]
+if contender.startswith("ours"):
+    import checkpoint.safetensors as st
+    from checkpoint._storage._safetensors import SafetensorsReader
+    specs = {k: (e.shape, e.dtype) for k, e in SafetensorsReader(path).entries.items()}
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    template = {k: jax.ShapeDtypeStruct(s, d, sharding=one) for k, (s, d) in specs.items()}
+    load = (lambda: st.load(path)) if contender == "ours numpy" else (lambda: st.load(path, template))
+else:
+    import safetensors.numpy, safetensors.flax
+    load = lambda: getattr(safetensors, contender.split()[1]).load_file(path)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak RSS: what imports and setup took is not the load's
+def rss(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+before = rss("VmRSS:")
+t0 = time.perf_counter()
+out = jax.block_until_ready(load())
+seconds = time.perf_counter() - t0
+total = sum(np.asarray(v).nbytes for v in out.values())
+print(seconds, rss("VmHWM:") - before, total)
+"""
+ST_CONTENDERS = ("ours numpy", "ours jax", "safetensors numpy", "safetensors flax")
+
+
+def safetensors_row(total_bytes: int, root: str, rounds: int = 4) -> dict[str, tuple[float, float]]:
+    """{contender: (min seconds, peak RSS over the data)} for one file of 16 float32 arrays of `total_bytes`."""
+    import subprocess
+    import sys
+
+    import checkpoint.safetensors as st
+
+    rng = np.random.default_rng(0)
+    path = st.save(os.path.join(root, "model.safetensors"),
+                   {f"w{i:02d}": rng.standard_normal(total_bytes // 64, dtype=np.float32) for i in range(16)})
+    times: dict[str, list[float]] = {c: [] for c in ST_CONTENDERS}
+    peaks: dict[str, list[float]] = {c: [] for c in ST_CONTENDERS}
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for r in range(rounds):  # interleaved, each round in another order: a slow spell hits every contender alike
+        for c in ST_CONTENDERS[r % len(ST_CONTENDERS):] + ST_CONTENDERS[:r % len(ST_CONTENDERS)]:
+            with open(path, "rb") as f:  # in the page cache for each contender (the machine's memory is shared)
+                while f.read(64 << 20):
+                    pass
+            done = subprocess.run([sys.executable, "-c", _ST_CHILD, c, path], capture_output=True, text=True,
+                                  env=env, check=True)
+            seconds, peak, total = done.stdout.split()
+            times[c].append(float(seconds))
+            peaks[c].append(int(peak) / int(total))
+    os.remove(path)
+    return {c: (min(times[c]), min(peaks[c])) for c in ST_CONTENDERS}
+
+
+def print_safetensors(total_bytes: int, row: dict[str, tuple[float, float]]) -> None:
+    print(f"safetensors load, 16 float32 arrays / {total_bytes >> 20} MiB, one process per contender, min of rounds")
+    print(f"{'contender':<20}{'seconds':>9}{'peak RSS/data':>15}{'vs ours jax':>13}")
+    for c, (t, peak) in row.items():
+        print(f"{c:<20}{t:>9.3f}{peak:>14.2f}x{t / row['ours jax'][0]:>12.2f}x")
+    print("targets (issue 27): ours <= 1.1x load_file's time (numpy and flax), peak RSS <= 1.15x the data. "
+          "ours numpy: load(path), a dict of aligned numpy arrays; ours jax: load(path, template) onto one device.")
+
+
 def main():
+    import sys
+
+    if sys.argv[1:2] == ["restore"]:  # only the large restore row: `... checkpoint_io restore [MiB]`
+        size = int(sys.argv[2]) << 20 if len(sys.argv) > 2 else RESTORE_BYTES
+        root = tempfile.mkdtemp(prefix="varstate-bench-")
+        try:
+            print_restore(size, restore_row(size, root))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
+    if sys.argv[1:2] == ["safetensors"]:  # only this row: `... checkpoint_io safetensors [MiB]`
+        size = int(sys.argv[2]) << 20 if len(sys.argv) > 2 else 256 << 20
+        root = tempfile.mkdtemp(prefix="varstate-bench-")
+        try:
+            print_safetensors(size, safetensors_row(size, root))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     root = tempfile.mkdtemp(prefix="varstate-bench-")
     try:
         results = {
             "large": measure("large", workload(64, 256 << 20), root),
             "small": measure("small", workload(2000, 32 << 20, seed=1), root),
         }
+        st_row = safetensors_row(256 << 20, root)
+        restore = restore_row(RESTORE_BYTES, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"checkpoint benchmark (min of {REPEATS}; seconds; {jax.device_count()} device(s))")
@@ -136,6 +229,10 @@ def main():
           "orbax/ours >= 1.0 (large), >= 5 (small); faster than TF.")
     print("ours/raw: min over min; paired: the median over rounds of ours/raw within a round.")
     print("* TF: tf.train.Checkpoint measured on this machine kind (from the issue), not run here.")
+    print()
+    print_safetensors(256 << 20, st_row)
+    print()
+    print_restore(RESTORE_BYTES, restore)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ public_api_modules = [
     "varstate.nnx",
     "checkpoint",
     "checkpoint.keras",
+    "checkpoint.safetensors",
 ]
 
 # Where a type hint names another project's private class (what `jax.Array` is at run time), the public name to

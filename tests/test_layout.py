@@ -186,14 +186,15 @@ def test_tests_read_private_jax_through_conftest():
 
 # Each concept's folder and the modules it must hold (it may hold more).
 CONCEPT_FOLDERS = {
-    "checkpoint/keras": {"__init__", "_weights", "_read", "_optimizer"},
+    "checkpoint/keras": {"__init__", "_weights", "_read", "_optimizer", "_order", "_hdf5"},
+    "checkpoint/safetensors": {"__init__", "_tree"},  # the file format itself is checkpoint/_storage/_safetensors
     "checkpoint/_tf": {"_name_based", "_saved_model"},
     "checkpoint/_cli": {"_main", "_inspect", "_out"},
     "checkpoint/_storage": {"__init__", "_publish", "_journal", "_bundle", "_orbax", "_orbax_private"},
     "checkpoint/_graph": {"__init__", "_walk", "_build", "_match"},
-    "checkpoint/_export": {"__init__", "_save", "_load", "_jax_private"},
+    "checkpoint/_export": {"__init__", "_save", "_load", "_jax_private", "_tf_saved_model"},
     "varstate/optimizers/_core": {"_base", "_step", "_matching", "_slots", "_state", "_rows", "_messages", "_packed"},
-    "varstate/optimizers/keras": {"__init__", "_base", "_adam", "_ftrl", "_sgd"},
+    "varstate/optimizers/keras": {"__init__", "_base", "_adam", "_ftrl", "_sgd", "_lamb", "_muon"},
 }
 
 # The modules a folder may hold at its top level (sub-packages aside): anything else belongs in a concept folder.
@@ -225,7 +226,7 @@ def test_only_the_listed_modules_are_flat(folder):
 
 
 PUBLIC_MODULES = ["varstate", "varstate.optimizers", "varstate.optimizers.keras", "varstate.mixed_precision",
-                  "varstate.nnx", "checkpoint", "checkpoint.keras"]
+                  "varstate.nnx", "checkpoint", "checkpoint.keras", "checkpoint.safetensors"]
 
 
 def _top_level_names(tree: ast.Module) -> list[tuple[str, int]]:

@@ -1,4 +1,4 @@
-"""`python -m checkpoint` / `varstate-ckpt`: inspect, convert and diff checkpoints and exports.
+"""`python -m checkpoint` / `varstate-ckpt`: inspect, convert, diff, verify and strip checkpoints and exports.
 
 Reads every format `read_checkpoint` reads (orbax, TF object-based, TF
 name-based, checkpoints orbax itself wrote) and, for `inspect`, the
@@ -8,8 +8,10 @@ Output uses rich (tables, trees, a progress bar) when stdout is a terminal,
 plain text otherwise, and JSON with ``--json``. Names read from a file are
 printed with their control characters escaped, so a crafted key cannot
 drive the terminal. Bad input ends with one line on stderr and exit status
-2; `diff` exits 0 when the checkpoints match and 1 when not. Only orbax
-checkpoints and exports import jax.
+2; `diff` exits 0 when the checkpoints match and 1 when not, `verify` 0
+when intact and 1 on damage (`_verify`), `strip-optimizer` 1 when there is
+no optimizer state (`_strip`). Only orbax checkpoints, exports and
+`strip-optimizer` import jax.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import numpy as np
 import checkpoint
 from checkpoint import _keys, _storage
 from checkpoint._cli import _out as out
+from checkpoint._cli import _safetensors as safetensors
 from checkpoint._cli._inspect import inspect
+from checkpoint._cli._strip import strip_optimizer
+from checkpoint._cli._verify import verify
 
 
 # --- convert -------------------------------------------------------------------
@@ -78,13 +83,22 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
         checkpointer.close()
 
 
+def _open(path: str) -> Any:
+    """A reader for any checkpoint `_storage.open_reader` opens, or a safetensors file or index."""
+    return safetensors.CheckpointView(path) if safetensors.is_safetensors(path) else _storage.open_reader(path)
+
+
 def _convert(args) -> int:
     if os.path.exists(args.dst) or os.path.exists(args.dst + ".index"):
         raise out.UsageError(f"destination {args.dst!r} already exists; remove it or choose another path")
-    reader = _storage.open_reader(args.src)
+    if args.max_shard_size is not None and args.to != "safetensors":
+        raise out.UsageError("--max-shard-size is for --to safetensors only")
+    reader = _open(args.src)
     keys = out.key_list(reader)
     tensors = dict(_read_all(reader, keys, "reading"))
     graph = out.object_graph(reader)
+    if args.to == "safetensors":
+        return _verify_safetensors(*safetensors.write(args.dst, tensors, graph, args.max_shard_size), tensors)
     if args.to == "tf":
         _storage.write_bundle(args.dst, {**tensors, _keys.OBJECT_GRAPH_KEY: graph.SerializeToString()}
                               if graph else tensors)
@@ -100,6 +114,20 @@ def _convert(args) -> int:
             raise out.UsageError(f"verification failed: {key!r} in {args.dst!r} differs from the source")
     total = sum(out.nbytes(back, k) for k in keys)
     print(f"wrote {args.dst} ({args.to}): {len(keys)} values, {out.human(total)}; verified by reading it back")
+    return 0
+
+
+def _verify_safetensors(dst: str, names: dict[str, str], tensors: dict[str, np.ndarray]) -> int:
+    back = safetensors.st.SafetensorsReader(dst)
+    if set(back.keys()) != set(names):
+        raise out.UsageError(f"verification failed: {dst!r} holds tensors {sorted(back.keys())}, expected "
+                             f"{sorted(names)}")
+    for name, value in _read_all(back, list(names), "verifying"):
+        if not _same(value, tensors[names[name]]):
+            raise out.UsageError(f"verification failed: {name!r} in {dst!r} differs from the source's "
+                                 f"{names[name]!r}")
+    total = sum(out.nbytes(back, n) for n in names)
+    print(f"wrote {dst} (safetensors): {len(names)} values, {out.human(total)}; verified by reading it back")
     return 0
 
 
@@ -129,7 +157,7 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _diff(args) -> int:
-    ra, rb = _storage.open_reader(args.a), _storage.open_reader(args.b)
+    ra, rb = _open(args.a), _open(args.b)
     ka, kb = set(out.key_list(ra)), set(out.key_list(rb))
     report: dict[str, Any] = {"a": args.a, "b": args.b, "atol": args.atol}
     spec = lambda r, k: {"key": k, "dtype": out.dtype_name(r.dtype(k)), "shape": list(r.shape(k))}
@@ -190,8 +218,8 @@ def _diff(args) -> int:
 
 # --- entry point ----------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=out.PROG, description="Inspect, convert and compare TF and orbax checkpoints, "
-                                                        "and inspect exports.")
+    p = argparse.ArgumentParser(prog=out.PROG, description="Inspect, convert, compare, verify and strip TF and "
+                                                        "orbax checkpoints, and inspect exports.")
     p.add_argument("--version", action="version", version=f"{out.PROG} {checkpoint.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="the object graph (or name list) with shapes, dtypes and sizes; for an "
@@ -200,11 +228,15 @@ def _parser() -> argparse.ArgumentParser:
                                 "or a TF SavedModel directory")
     i.add_argument("--key", help="print one value's summary (min/max/mean, first values)")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
-    i.set_defaults(run=inspect)
+    i.set_defaults(run=lambda args: (safetensors.inspect if safetensors.is_safetensors(args.path) else inspect)(args))
     c = sub.add_parser("convert", help="write a checkpoint in another format and verify it")
-    c.add_argument("src", help="a checkpoint, or an export or TF SavedModel directory (its variables)")
-    c.add_argument("dst", help="a TF prefix for --to tf, a directory for --to orbax")
-    c.add_argument("--to", required=True, choices=("orbax", "tf"))
+    c.add_argument("src", help="a checkpoint, an export or TF SavedModel directory (its variables), or a "
+                               "safetensors file or index")
+    c.add_argument("dst", help="a TF prefix for --to tf, a directory for --to orbax, a .safetensors file for "
+                               "--to safetensors")
+    c.add_argument("--to", required=True, choices=("orbax", "tf", "safetensors"))
+    c.add_argument("--max-shard-size", help="with --to safetensors: shards of at most this size (e.g. 5GB) and "
+                                            "a .safetensors.index.json")
     c.set_defaults(run=_convert)
     d = sub.add_parser("diff", help="keys, shapes, dtypes and values of two checkpoints (exit 0: match, 1: differ)")
     d.add_argument("a", help="a checkpoint, or an export or TF SavedModel directory (its variables)")
@@ -213,6 +245,17 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--only-diff", action="store_true", help="list only the shared keys whose values differ")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     d.set_defaults(run=_diff)
+    v = sub.add_parser("verify", help="every checksum of the metadata and of every value, each value read once "
+                                      "(exit 0: intact, 1: damaged); formats without checksums: structure and reads")
+    v.add_argument("path", help="a checkpoint, an export or TF SavedModel directory, a Keras .weights.h5/.h5/.keras "
+                                "file, or a .safetensors file or index")
+    v.add_argument("--json", action="store_true", help="print JSON instead of text")
+    v.set_defaults(run=verify)
+    s = sub.add_parser("strip-optimizer", help="a copy without the optimizer state (slot variables, the optimizer "
+                                               "objects and their other values), in the same format, verified")
+    s.add_argument("src", help="a TF object-based or orbax-format checkpoint of this library")
+    s.add_argument("dst", help="the new checkpoint: a TF prefix or an orbax directory, as SRC is; must not exist")
+    s.set_defaults(run=strip_optimizer)
     return p
 
 
