@@ -195,7 +195,9 @@ def load_optimizer_state(
     slots under ``.OPTIMIZER_SLOT``) is read too: its slot names (``m``,
     ``v``, ``vhat``, ``rms``, ``mg``, ``accum_grad``, ...) become Keras 3's,
     ``iter`` becomes ``iteration``; its variables are matched to `params`
-    by name when the names agree, else by order.
+    by name when the names agree, else by order. Beside a tf.keras model
+    (``model.save_weights(prefix)`` of a compiled model) the params default
+    to the model's weights, in tf.keras's layer order.
 
     A Keras 3 ``.weights.h5`` or ``.keras`` of a compiled model holds the
     optimizer's variables as ``optimizer/vars/N``, in the same order but
@@ -215,10 +217,11 @@ def load_optimizer_state(
         params: None to take the model's weights as `load_weights` returns
             them (a `KerasWeights`, which `save_weights` takes), its trainable
             ones in the optimizer's order: from a ``.weights.h5`` or
-            ``.keras``, or a Keras 3 TF checkpoint holding the model (the
-            optimizer's ``_trainable_variables`` are its weights); a TF
-            checkpoint of an optimizer alone, or tf.keras 2's, gives the
-            trainable variables as a list of new Variables, in Keras's
+            ``.keras``, or a TF checkpoint holding the model, Keras 3's (the
+            optimizer's ``_trainable_variables`` are its weights) or tf.keras
+            2's (its weights holding slots are its trainable ones). Only a TF
+            checkpoint of an optimizer without a Keras model beside it gives
+            the trainable variables as a list of new Variables, in Keras's
             order. Or the
             model's trainable params (any pytree whose trainable leaves are in
             Keras's order of ``model.trainable_variables``), which come back
@@ -379,6 +382,22 @@ def _in_file_order(params: Any, shapes: list[tuple[int, ...]] | None, where: str
     return _order.reorder(params, ranks)
 
 
+def _v2_model(g: _read._Graph, ids: list[int]) -> tuple[Any, list[int]] | None:
+    """The tf.keras 2 model in the checkpoint (`load_weights`'s dict, in tf.keras's layer order) and the node ids of
+    its trainable weights in that order, when those are exactly the variables `ids` holding slots; else None (an
+    optimizer saved without a Keras model: its variables then come back as a list)."""
+    paths: dict[int, tuple[str, ...]] = {}
+    try:
+        weights = _read._read_tf_checkpoint(g.reader, g.where, None, varstate.Registry(), paths)
+    except (ValueError, CheckpointFormatError):
+        return None  # no Keras model in the checkpoint, or more than one
+    node = {path: i for i, path in paths.items()}
+    leaves, _, idx = _trainable(weights)
+    # A Variable read by load_weights is named by its key path.
+    order = [node.get(tuple(leaves[k].name.split("/")), -1) for k in idx]
+    return (weights, order) if ids and sorted(order) == sorted(ids) else None
+
+
 def _load_v2(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer, params: Any):
     """tf.keras 2 (optimizer_v2): ``iter``, ``learning_rate`` children; slots linked to their variables' nodes."""
     cls = type(optimizer).__name__
@@ -388,13 +407,18 @@ def _load_v2(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer, pa
     refs = list(g.nodes[opt].slot_variables)
     primaries = list(dict.fromkeys(ref.original_variable_node_id for ref in refs))
     full = [g.read(i, f"node {i}")[1] or f"node {i}" for i in primaries]
-    if params is not None:
+    model = _v2_model(g, primaries) if params is None else None
+    if model is not None:
+        params, primaries = model
+        full = [g.read(i, f"node {i}")[1] or f"node {i}" for i in primaries]
+    elif params is not None:
         leaves, _, idx = _trainable(params)
         held: list[Any] = [getattr(leaves[k], "name", None) for k in idx]  # all str when they match `full`
         if sorted(held) == sorted(full):  # by Keras's names where they are the params' names
             primaries = [primaries[full.index(n)] for n in held]
             full = held
-    params = _params_from(g, primaries, full, params)
+    if model is None:
+        params = _params_from(g, primaries, full, params)
     state = optimizer.init(params)
     kids = g.named(opt)
     found = {(ref.original_variable_node_id, ref.slot_name): ref.slot_variable_node_id for ref in refs}

@@ -95,8 +95,8 @@ def test_damaged_variable_length_data_is_refused_or_read_from_the_heap(tmp_path)
 
 @pytest.mark.parametrize("fixture", ["tf_keras/mlp.h5", "keras3/mlp.weights.h5", "ours/mlp.weights.h5"])
 def test_single_byte_changes_end_in_the_librarys_errors_in_bounded_time(tmp_path, fixture):
-    out, results = _read_damaged(_DATA / "keras_weights" / fixture, tmp_path, seed=26_3, count=300, timeout=240)
-    assert len(results) == 300
+    out, results = _read_damaged(_DATA / "keras_weights" / fixture, tmp_path, seed=26_3, count=150, timeout=240)
+    assert len(results) == 150
     for r in results:
         if r["type"] is not None:
             assert r["type"] in ("CheckpointFormatError", "DataLossError"), r

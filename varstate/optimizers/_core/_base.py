@@ -32,7 +32,7 @@ from varstate.optimizers._core._matching import (
     owner_positions,
     with_value,
 )
-from varstate.optimizers._core._messages import check_arguments, checked_new
+from varstate.optimizers._core._messages import check_arguments, checked_new, guarded_update
 from varstate.optimizers._core._rows import _dedupe
 from varstate.optimizers._core._slots import (
     Existing,
@@ -114,6 +114,11 @@ class Optimizer:
         # A misspelled keyword (beta_1, lr) raises a TypeError naming the closest fields, not dataclass's bare one.
         # A method, not an assigned function: type checkers then check a call against the class's own __init__.
         return checked_new(cls, *args, **kwargs)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "update" in cls.__dict__:  # an override gets `guarded_update`'s message too (Optimizer's own below)
+            cls.update = guarded_update(cls.__dict__["update"])  # type: ignore[method-assign]
 
     def __post_init__(self) -> None:
         for name in self._hyper_names:
@@ -240,7 +245,7 @@ class Optimizer:
                     if kept is None and wanted[i]:
                         if not reinitialize_slots:
                             existing.refuse_foreign(slot_name, i, p, leaves)
-                        kept = filled_slot(p, slot_name, fill)
+                        kept = filled_slot(p, slot_name, fill, f"{type(self).__name__}.init")
                     made.append(kept)  # None: not stepped yet, so no slot (TF makes none either)
             slots[slot_name] = p_def.unflatten(made)
         if state is not None:
@@ -483,6 +488,10 @@ class Optimizer:
         from varstate.optimizers._to_optax import to_optax
 
         return to_optax(self)
+
+
+# optax's two-argument habit, update(grads, state), gets a message naming the class and the fix.
+Optimizer.update = guarded_update(Optimizer.update)  # type: ignore[method-assign]
 
 
 def _path_name(path: tuple) -> str:

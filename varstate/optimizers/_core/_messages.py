@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from varstate.optimizers._core._state import OptimizerState
@@ -75,6 +76,53 @@ def _nnx_kind(kind: type) -> str | None:
     return None
 
 
+def guarded_update(update: Callable[..., Any]) -> Callable[..., Any]:
+    """`update` refusing optax's two-argument habit, ``opt.update(grads, state)``, with `missing_state`'s message.
+
+    Python's own message for it names the class that defines ``update``
+    (``Optimizer.update()``), not the optimizer's, and gives no fix. The
+    check counts the arguments only: O(1) per call.
+    """
+    @functools.wraps(update)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) < 3 and "state" not in kwargs:
+            raise missing_state(self, args)
+        return update(self, *args, **kwargs)
+
+    return checked
+
+
+def missing_state(opt: Any, args: tuple) -> TypeError:
+    """The TypeError for ``opt.update`` called without its state (optax's ``update(grads, state)`` habit).
+
+    >>> from varstate.optimizers import Adam
+    >>> print(missing_state(Adam(0.1), ({}, Adam(0.1).init({}))))  # doctest: +ELLIPSIS
+    Adam.update(grads, state): missing the state. The arguments are update(grads, params, state), ...
+    """
+    name, _, optax_form = _owner(opt)
+    if len(args) == 2 and isinstance(args[1], OptimizerState):
+        got = f"{name}.update(grads, state): missing the state"
+    else:
+        got = f"{name}.update() missing its argument 'state' ({len(args)} positional given)"
+    if optax_form == "tx":
+        whose, tx = "the hosted tx's", "with tx itself"
+    else:
+        whose, tx = "opt.to_optax()'s", "with tx = opt.to_optax()"
+    return TypeError(
+        f"{got}. The arguments are update(grads, params, state), params between grads and state; optax's "
+        f"update(grads, state, params) order is {whose}. Call opt.update(grads, params, state), or step {tx}: "
+        "tx.update(grads, tx_state, params) with tx_state = tx.init(params)."
+    )
+
+
+def _owner(opt: Any) -> tuple[str, str, str]:
+    """(the optimizer's name in messages, how it was made, its optax form)."""
+    if type(opt).__name__.startswith("_"):  # from_optax's class: the optax transformation is the nnx fix
+        return "from_optax(tx)", "from_optax(tx)", "tx"
+    name = type(opt).__name__
+    return name, f"{name}(...)", f"{name}(...).to_optax()"
+
+
 def check_arguments(opt: Any, verb: str, params: Any, grads: Any = None, state: Any = None) -> None:
     """TypeError for arguments of another API: an nnx object, optax's argument order, a state of another kind.
 
@@ -87,11 +135,7 @@ def check_arguments(opt: Any, verb: str, params: Any, grads: Any = None, state: 
     >>> from varstate.optimizers import Adam
     >>> check_arguments(Adam(0.1), "init", {"w": 1.0})  # plain pytrees pass
     """
-    if type(opt).__name__.startswith("_"):  # from_optax's class: the optax transformation is the nnx fix
-        name, given, optax_form = "from_optax(tx)", "from_optax(tx)", "tx"
-    else:
-        name = type(opt).__name__
-        given, optax_form = f"{name}(...)", f"{name}(...).to_optax()"
+    name, given, optax_form = _owner(opt)
     if isinstance(params, OptimizerState):
         raise TypeError(
             f"{name}.{verb}: params is an OptimizerState: the arguments are (grads, params, state), where optax's "

@@ -61,13 +61,11 @@ def non_slot_home(params: Any) -> tuple[Any, Any]:
     return first.handle.registry, sharding if kept else None
 
 
-def filled_slot(p: Any, slot_name: str, fill: float) -> Any:
+def filled_slot(p: Any, slot_name: str, fill: float, verb: str = "Optimizer.init") -> Any:
     value = array_of(p)
     sharding = getattr(value, "sharding", None)
     if isinstance(value, jax.ShapeDtypeStruct):
-        raise ValueError(
-            f"Optimizer.init: {p.name!r} is uninitialized; initialize or restore it before creating slots."
-        )
+        raise ValueError(f"{verb}: {p.name!r} is uninitialized; initialize or restore it before creating slots.")
     slot_value = jnp.full(value.shape, fill, value.dtype, device=None if uncommitted(value) else sharding)
     return make_slot(p, slot_name, slot_value, fresh=True) if isinstance(p, Variable) else slot_value
 
