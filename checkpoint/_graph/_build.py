@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +18,7 @@ from checkpoint._graph._walk import (
     children,
     has_python,
     identity,
+    is_nnx_module,
     is_prng_key,
     key_impl,
     kind,
@@ -107,9 +108,13 @@ def build(roots: dict[str, Any]) -> Graph:
                     if k in (Kind.VARIABLE, Kind.PARTITIONED) for v in node_variables(obj)}
     weights = next((labels[i] for i, (k, obj) in enumerate(zip(kinds, objects, strict=True))
                     if not in_optimizer[i] and _is_weight(k, obj)), None)
+    def plain() -> bool:  # no Variable and no nnx Module saved outside the optimizers
+        return not any(not opt and (k in (Kind.VARIABLE, Kind.PARTITIONED) or is_nnx_module(o))
+                       for k, o, opt in zip(kinds, objects, in_optimizer, strict=True))
+
     for opt_id in [i for i, k in enumerate(kinds) if k == Kind.OPTIMIZER]:
         if weights is not None:
-            _check_primaries_saved(objects[opt_id], labels[opt_id], primary_node, weights)
+            _check_primaries_saved(objects[opt_id], labels[opt_id], primary_node, weights, plain=plain)
         grouped: dict[tuple[int, str], list[Variable]] = {}
         for (rid, slot_name), slot in linked_slots(objects[opt_id]):
             if rid in primary_node:
@@ -140,7 +145,8 @@ def _is_weight(k: Kind, obj: Any) -> bool:
     return k in (Kind.VARIABLE, Kind.PARTITIONED) or (k == Kind.ARRAY and len(getattr(obj, "shape", ())) > 0)
 
 
-def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int], weights: str) -> None:
+def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int], weights: str, *,
+                           plain: Callable[[], bool]) -> None:
     """Refuses an optimizer state saved beside a model holding none of the Variables its slots belong to.
 
     TF saves a slot only under its primary's node, so a slot whose primary is
@@ -148,7 +154,9 @@ def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int],
     value) but not one of the state's primaries is, the state was built on
     other Variables (an nnx Module or a rebuilt tree given as the model) and
     every slot would be lost. Some primaries saved (a part of the model) and
-    an optimizer saved with no model keep TF's behaviour.
+    an optimizer saved with no model keep TF's behaviour. With no Variable
+    and no nnx Module saved (`plain()`, asked only then), the params became plain arrays (`v * 2`
+    gives one), so the message adds how to change a value and keep a Variable.
     """
     first = None
     for slot_name, tree in state.slots.items():
@@ -171,6 +179,9 @@ def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int],
         "params the optimizer stepped: Checkpoint(model=params, optimizer=state) with the params apply_gradients "
         "returned (for an nnx model, the params of varstate.nnx.from_nnx(model), not the Module). An optimizer "
         "saved with no model (Checkpoint(optimizer=state)) keeps only its non-slot values, as in TF."
+        + ("" if not plain() else " The model saved holds plain arrays, no Variable: if the params became arrays "
+           "(`{k: v * 2 for k, v in params.items()}`), change a value and keep its Variable with `v.assign(v * 2)`, "
+           "or `varstate.with_values(params, new_arrays)` for a tree.")
     )
 
 

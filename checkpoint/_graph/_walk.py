@@ -94,10 +94,14 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
+def is_nnx_module(obj: Any) -> bool:
+    nnx = _nnx()
+    return nnx is not None and isinstance(obj, nnx.Module)
+
+
 def nnx_split(obj: Any) -> tuple[Any, Any] | None:
     """(graphdef, state) of an nnx Module (`nnx.split`), else None; `nnx_merge` puts them back together."""
-    nnx = _nnx()
-    return nnx.split(obj) if nnx is not None and isinstance(obj, nnx.Module) else None
+    return _nnx().split(obj) if is_nnx_module(obj) else None
 
 
 def nnx_merge(graphdef: Any, state: Any) -> Any:

@@ -48,6 +48,25 @@ def test_state_saved_beside_other_variables_is_refused(tmp_path):
     assert not os.listdir(tmp_path)  # refused before anything is written
 
 
+def test_params_that_became_arrays_saved_with_their_state_name_the_fix(tmp_path):
+    params, state, _, _ = stepped()
+    doubled = {"dense": {k: v * 2 for k, v in params["dense"].items()}}  # `v * 2` is an array, not a Variable
+    with pytest.raises(ValueError, match=(
+            r"none of its slots belongs to a saved Variable\..* The model saved holds plain arrays, no Variable: if "
+            r"the params became arrays \(`\{k: v \* 2 for k, v in params\.items\(\)\}`\), change a value and "
+            r"keep its Variable with `v\.assign\(v \* 2\)`, or `varstate\.with_values\(params, new_arrays\)` "
+            r"for a tree\.$")):
+        checkpoint.Checkpoint(model=doubled, optimizer=state).write(str(tmp_path / "c"))
+    # The fix named: the Variables keep their slots, and the saved value is the doubled one.
+    before = np.asarray(params["dense"]["kernel"].value)
+    kept = {"dense": {k: v.assign(v * 2) for k, v in params["dense"].items()}}
+    path = checkpoint.Checkpoint(model=kept, optimizer=state).write(str(tmp_path / "c"))
+    reader = checkpoint.read_checkpoint(path)
+    np.testing.assert_array_equal(reader.get("model/dense/kernel" + KEY), before * 2)
+    np.testing.assert_array_equal(reader.get("model/dense/kernel/.OPTIMIZER_SLOT/optimizer/m" + KEY),
+                                  np.asarray(state.get_slot(kept["dense"]["kernel"], "m").value))
+
+
 def test_nnx_module_saved_with_the_state_of_its_from_nnx_params_is_refused(tmp_path):
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     params = from_nnx(model, registry=varstate.Registry())
@@ -55,8 +74,9 @@ def test_nnx_module_saved_with_the_state_of_its_from_nnx_params_is_refused(tmp_p
     params, state = opt.apply_gradients(jax_zeros_like(params), params, opt.init(params))
     with pytest.raises(ValueError, match=r"optimizer \(root\)\.optimizer: none of its slots belongs to a saved "
                                          r"Variable\. The first, 'm' .* \(params\['bias'\]\), .*starts at "
-                                         r"\(root\)\.model\.bias\).*from_nnx\(model\), not the Module"):
+                                         r"\(root\)\.model\.bias\).*from_nnx\(model\), not the Module") as e:
         checkpoint.Checkpoint(model=model, optimizer=state).write(str(tmp_path / "c"))
+    assert "plain arrays" not in str(e.value)  # a Module's values are arrays, but the fix is from_nnx's params
     # The fix: the params the optimizer stepped; every slot is saved under its Variable.
     path = checkpoint.Checkpoint(model=params, optimizer=state).write(str(tmp_path / "c"))
     reader = checkpoint.read_checkpoint(path)
