@@ -6,7 +6,7 @@
 - `checkpoint` reaches varstate only through its public modules and `varstate._seam`;
 - an underscore name is not imported across package boundaries;
 - private JAX (`jax._src`) is reached by `varstate/_jax_compat.py` and `checkpoint/_export/_jax_private.py`
-  alone, and orbax's (`orbax.checkpoint._src`) by `checkpoint/_storage/_orbax_private.py` alone: by an import,
+  alone (jaxlib's by `checkpoint/_export/_module_child.py`, the child that reads export modules), and orbax's (`orbax.checkpoint._src`) by `checkpoint/_storage/_orbax_private.py` alone: by an import,
   or by a string naming it passed to a call (`importlib.import_module("jax._src...")`, `__import__`); the tests
   read private JAX through tests/conftest.py's `jax_private` fixture alone;
 - each concept has its folder, holding its modules (`CONCEPT_FOLDERS`);
@@ -133,6 +133,9 @@ def test_import_directions(module):
 PRIVATE_HOMES = {
     "jax._src": ("varstate._jax_compat", "checkpoint._export._jax_private"),
     "orbax.checkpoint._src": ("checkpoint._storage._orbax_private",),
+    # Reading an export's StableHLO module as jax does, in a child process that does not import jax.
+    "jaxlib._jax": ("checkpoint._export._module_child",),
+    "jaxlib.mlir._mlir_libs": ("checkpoint._export._module_child",),
 }
 
 

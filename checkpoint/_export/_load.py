@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 
 from checkpoint import _dtypes, _graph, _keys
 from checkpoint._errors import CheckpointFormatError
-from checkpoint._export import _jax_private
+from checkpoint._export import _jax_private, _sandbox
 from checkpoint._export._format import (
     FUNCTION_NAME,
     GENERIC,
@@ -315,26 +315,11 @@ def _deserialize(path: str, deserialize: Callable[[], jax.export.Exported], what
 
 
 def custom_call_targets(exported: jax.export.Exported, where: str) -> list[str]:
-    """The call targets of every `stablehlo.custom_call` in the exported module, in any function or region."""
-    from jax.extend.mlir import ir
-    from jax.interpreters import mlir
+    """The call targets of every `stablehlo.custom_call` in the exported module, in any function or region.
 
-    targets = []
-    with mlir.make_ir_context():
-        try:
-            module = exported.mlir_module(serialized=False)
-        except (ValueError, RuntimeError) as e:  # jaxlib reports a bad StableHLO artifact as either
-            raise CheckpointFormatError(f"{where}: its StableHLO module cannot be read ({e}).") from e
-        stack = [module.operation]  # a stack, not recursion: nesting depth is the file's to choose
-        while stack:
-            op = stack.pop()
-            if op.name == "stablehlo.custom_call":
-                attr = op.attributes["call_target_name"] if "call_target_name" in op.attributes else None
-                # Bytes, not str: a name that is not UTF-8 is refused as unknown, not a nanobind RuntimeError.
-                targets.append(ir.StringAttr(attr).value_bytes.decode("utf-8", "backslashreplace")
-                               if isinstance(attr, ir.StringAttr) else "<no call_target_name>")
-            stack.extend(inner.operation for region in op.regions for block in region for inner in block)
-    return targets
+    The module is read in a child process first (`_sandbox`): a damaged one can crash or hang MLIR's reader.
+    """
+    return _sandbox.module_targets(exported.mlir_module_serialized, where)
 
 
 class _Loader:
