@@ -24,18 +24,97 @@ array([7], dtype=int32)
 
 from __future__ import annotations
 
-import ml_dtypes
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from checkpoint.protos import types_pb2
 
-BY_ENUM: dict[int, np.dtype] = {
+# ml_dtypes' types by TF enum: the low-precision types TF 2.21 keeps in variables (one element per byte).
+# Importing ml_dtypes takes about 0.5 s, most of `varstate-ckpt`'s start, so the tables take these entries on their
+# first miss (or at once when jax has imported ml_dtypes already).
+_ML_DTYPES = {
+    types_pb2.DT_BFLOAT16: "bfloat16",
+    types_pb2.DT_FLOAT8_E5M2: "float8_e5m2",
+    types_pb2.DT_FLOAT8_E4M3FN: "float8_e4m3fn",
+    types_pb2.DT_INT4: "int4",
+    types_pb2.DT_UINT4: "uint4",
+}
+_loaded = False
+_TABLES: list[LazyTable] = []
+
+
+class LazyTable(dict):
+    """A dtype table whose ml_dtypes entries (`extra(ml_dtypes)`) are added on its first miss or listing."""
+
+    def __init__(self, plain: dict, extra: Callable[[Any], dict]) -> None:
+        super().__init__(plain)
+        self._extra = extra
+        _TABLES.append(self)
+        if _loaded:
+            self.fill()
+
+    def fill(self) -> None:
+        for key, value in self._extra(sys.modules["ml_dtypes"]).items():
+            dict.__setitem__(self, key, value)
+
+    def __missing__(self, key):
+        if _loaded:
+            raise KeyError(key)
+        _load()
+        return self[key]
+
+    def __contains__(self, key: object) -> bool:
+        if super().__contains__(key):
+            return True
+        if _loaded:
+            return False
+        _load()
+        return super().__contains__(key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def __iter__(self):
+        _load()
+        return super().__iter__()
+
+    def keys(self):
+        _load()
+        return super().keys()
+
+    def values(self):
+        _load()
+        return super().values()
+
+    def items(self):
+        _load()
+        return super().items()
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    import ml_dtypes  # noqa: F401  (LazyTable.fill reads it from sys.modules)
+
+    _loaded = True
+    for table in _TABLES:
+        table.fill()
+
+
+def _ml_by_enum(ml: Any) -> dict[int, np.dtype]:
+    return {enum: np.dtype(getattr(ml, attr)) for enum, attr in _ML_DTYPES.items()}
+
+
+BY_ENUM: dict[int, np.dtype] = LazyTable({
     enum: np.dtype(t)
     for enum, t in {
         types_pb2.DT_FLOAT: np.float32,
         types_pb2.DT_DOUBLE: np.float64,
         types_pb2.DT_HALF: np.float16,
-        types_pb2.DT_BFLOAT16: ml_dtypes.bfloat16,
         types_pb2.DT_INT8: np.int8,
         types_pb2.DT_INT16: np.int16,
         types_pb2.DT_INT32: np.int32,
@@ -47,13 +126,8 @@ BY_ENUM: dict[int, np.dtype] = {
         types_pb2.DT_BOOL: np.bool_,
         types_pb2.DT_COMPLEX64: np.complex64,
         types_pb2.DT_COMPLEX128: np.complex128,
-        # The low-precision types TF 2.21 keeps in variables (one element per byte, as ml_dtypes).
-        types_pb2.DT_FLOAT8_E5M2: ml_dtypes.float8_e5m2,
-        types_pb2.DT_FLOAT8_E4M3FN: ml_dtypes.float8_e4m3fn,
-        types_pb2.DT_INT4: ml_dtypes.int4,
-        types_pb2.DT_UINT4: ml_dtypes.uint4,
     }.items()
-}
+}, _ml_by_enum)
 
 # TF's quantized types hold plain integers (the scale lives elsewhere, as TF's ops pass it). They read as
 # their integer storage in a dtype tagged with the TF type: it compares and hashes equal to the plain
@@ -101,7 +175,7 @@ def quantized(name: str) -> np.dtype:
         raise ValueError(f"{name!r} is not a TF quantized type; expected one of {sorted(_QUANTIZED_ENUM)}.") from None
 
 
-class _EnumOf(dict):
+class _EnumOf(LazyTable):
     """{numpy dtype: TF enum}, where a dtype tagged as a quantized type maps to that type's enum."""
 
     def __getitem__(self, dtype: np.dtype) -> types_pb2.DataType:
@@ -115,9 +189,13 @@ class _EnumOf(dict):
         return self[dtype] if dtype in self else default
 
 
-ENUM_OF: dict[np.dtype, types_pb2.DataType] = _EnumOf({v: k for k, v in BY_ENUM.items()})
-BY_NAME: dict[str, np.dtype] = {d.name: d for d in BY_ENUM.values()}
+ENUM_OF: dict[np.dtype, types_pb2.DataType] = _EnumOf({v: k for k, v in dict.items(BY_ENUM)},
+                                                      lambda ml: {v: k for k, v in _ml_by_enum(ml).items()})
+BY_NAME: dict[str, np.dtype] = LazyTable({d.name: d for d in dict.values(BY_ENUM)},
+                                         lambda ml: {d.name: d for d in _ml_by_enum(ml).values()})
 BY_ENUM.update(QUANTIZED)  # after ENUM_OF and BY_NAME: a tagged dtype must not stand in for its plain integer
+if "ml_dtypes" in sys.modules:  # imported already (jax imports it): nothing to save
+    _load()
 STRING_ENUM = types_pb2.DT_STRING
 
 

@@ -17,7 +17,7 @@ import struct
 import sys
 
 # jaxlib's private parts, read here alone (tests/test_layout.py): how jax itself reads a module.
-from jaxlib._jax import mlir as jax_mlir
+from jaxlib._jax import mlir as jax_mlir  # type: ignore[import-not-found]  # a compiled module without stubs
 from jaxlib.mlir import ir
 from jaxlib.mlir._mlir_libs._jax_mlir_ext import register_dialects
 from jaxlib.mlir.dialects import chlo, mhlo, sdy, stablehlo

@@ -24,9 +24,9 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from checkpoint import _dtypes
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, replacing
 
@@ -37,13 +37,20 @@ ALIGN = 64  # bytes: what XLA's CPU client takes without a copy
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 
-DTYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, t in {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+_PLAIN = {name: np.dtype(t) for name, t in {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64,
 }.items()}
-NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _ml(ml: Any) -> dict[str, np.dtype]:  # ml_dtypes' entries, added when first needed (see _dtypes.LazyTable)
+    return {"BF16": np.dtype(ml.bfloat16), "F8_E4M3": np.dtype(ml.float8_e4m3fn), "F8_E5M2": np.dtype(ml.float8_e5m2)}
+
+
+DTYPES: dict[str, np.dtype] = _dtypes.LazyTable(_PLAIN, _ml)
+NAMES: dict[np.dtype, str] = _dtypes.LazyTable({d: n for n, d in _PLAIN.items()},
+                                               lambda ml: {d: n for n, d in _ml(ml).items()})
 
 # __metadata__ entries (strings, as the format requires) for what a tensor cannot hold, written by
 # checkpoint.safetensors.save and the CLI's convert.
