@@ -6,8 +6,9 @@
 - `checkpoint` reaches varstate only through its public modules and `varstate._seam`;
 - an underscore name is not imported across package boundaries;
 - private JAX (`jax._src`) is reached by `varstate/_jax_compat.py` and `checkpoint/_export/_jax_private.py`
-  alone (jaxlib's by `checkpoint/_export/_module_child.py`, the child that reads export modules), and orbax's (`orbax.checkpoint._src`) by `checkpoint/_storage/_orbax_private.py` alone: by an import,
-  or by a string naming it passed to a call (`importlib.import_module("jax._src...")`, `__import__`); the tests
+  alone (jaxlib's by `checkpoint/_export/_module_child.py`, the child that reads export modules), and orbax's
+  (`orbax.checkpoint._src`) by `checkpoint/_storage/_orbax_private.py` alone: by an import, or by a string
+  naming it passed to a call (`importlib.import_module("jax._src...")`, `__import__`); the tests
   read private JAX through tests/conftest.py's `jax_private` fixture alone;
 - each concept has its folder, holding its modules (`CONCEPT_FOLDERS`);
 - `checkpoint/` holds only the verbs at its top level and `varstate/optimizers/` only the TF v1 optimizers and
