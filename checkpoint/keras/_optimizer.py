@@ -3,7 +3,8 @@
 Keras 3 (TF backend) tracks an optimizer's variables in one list,
 ``_variables``: ``iteration``, ``learning_rate`` (absent for a schedule),
 then each slot list in turn, a list interleaving its slots per trainable
-variable, then variables made after the slots (Nadam's ``u_product``). The
+variable (those Keras keeps for it: `KerasOptimizer.keras_slots`), then
+variables made after the slots (Nadam's ``u_product``). The
 optimizer also tracks ``_iterations``, ``_learning_rate`` (the same
 variables) and ``_trainable_variables`` (the model's variables).
 `KerasOptimizer.keras_layout` gives that order for a varstate optimizer.
@@ -59,8 +60,9 @@ _V2_HYPER = {
     "Adadelta": ("rho",),
 }
 
-# Non-slots Keras creates without a name of their own.
-_KERAS_NAMES = {"u_product": "variable"}
+# Optimizer variables Keras names otherwise: Nadam's u_product; Adafactor's r and c take their variable's own name
+# (the last part of its path), which a read does not check.
+_KERAS_NAMES = {"u_product": "variable", "r": "", "c": ""}
 
 _MADE_BY = "; pass the state this optimizer made (opt.init / apply_gradients)"
 
@@ -71,13 +73,15 @@ def snake_name(cls_name: str) -> str:
     return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
 
 
-def keras_order(optimizer: KerasOptimizer, n_params: int) -> list[tuple[str, int | None]]:
-    """Keras's ``_variables``, in order: (non-slot name, None) or (slot name, index of its trainable variable)."""
+def keras_order(optimizer: KerasOptimizer, trainables: list) -> list[tuple[str, int | None]]:
+    """Keras's ``_variables`` for the `trainables` (in Keras's order), in order: (non-slot name, None) or (slot
+    name, index of its trainable variable)."""
     lead, groups, trail = optimizer.keras_layout()
+    kept = [optimizer.keras_slots(p) for p in trainables]
     order: list[tuple[str, int | None]] = [(name, None) for name in lead]
     for group in groups:
-        for i in range(n_params):
-            order.extend((name, i) for name in group)
+        for i in range(len(trainables)):
+            order.extend((name, i) for name in group if name in kept[i])
     return order + [(name, None) for name in trail]
 
 
@@ -166,10 +170,10 @@ def _state_from(state: OptimizerState, idx: list[int], where: str,
                           non_slots=non_slots)
 
 
-def _in_keras_order(optimizer: KerasOptimizer, idx: list[int], state: OptimizerState, arg: str,
+def _in_keras_order(optimizer: KerasOptimizer, leaves: list, idx: list[int], state: OptimizerState, arg: str,
                     hint: str = "") -> list[tuple[str, int | None, Any]]:
     """(name, trainable variable or None, the non-slot or slot leaf) of `state`, in Keras's ``_variables`` order."""
-    order = keras_order(optimizer, len(idx))
+    order = keras_order(optimizer, [leaves[i] for i in idx])
     for kind, held, wanted in (("non-slot", state.non_slots, [n for n, p in order if p is None]),
                                ("slot", state.slots, [n for n, p in order if p is not None])):
         missing = [n for n in wanted if n not in held]
@@ -318,8 +322,8 @@ def _load_keras3(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer
         params = model
     elif t_ids or params is None:
         params = _params_from(g, t_ids, t_paths, params)
-    idx = _trainable(params)[2]
-    order = keras_order(optimizer, len(idx))
+    leaves, _, idx = _trainable(params)
+    order = keras_order(optimizer, [leaves[i] for i in idx])
     if len(var_list) != len(order) or any(str(i) not in var_list for i in range(len(order))):
         raise _count_error(f"{g.where}: {node}/_variables", len(var_list), optimizer, len(idx), order)
 
@@ -341,8 +345,8 @@ def _load_keras3(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer
 
 def _load_h5(where: str, optimizer: KerasOptimizer, params: Any):
     """Keras 3's ``optimizer/vars/N`` of a ``.weights.h5`` or ``.keras`` (values by position only)."""
-    idx = _trainable(params)[2]
-    order = keras_order(optimizer, len(idx))
+    leaves, _, idx = _trainable(params)
+    order = keras_order(optimizer, [leaves[i] for i in idx])
     group_path = f"{_read._OPTIMIZER}/{_read._VARS}"
     with _read._damaged(where), (
             _read._open_archive(where) if not _read._is_hdf5(where) else _hdf5.open_file(where)) as f:
@@ -356,12 +360,18 @@ def _load_h5(where: str, optimizer: KerasOptimizer, params: Any):
         budget = _read._SizeBudget(f)
         values = [_read._read_dataset(_hdf5.stored_dataset(group, str(n), f"{where}: {group_path}/{n}"),
                                       f"{where}: {group_path}/{n}", budget) for n in range(len(order))]
-    first: dict[int, tuple[int, ...]] = {}  # each trainable variable's shape, from its first slot
-    for (_, p), value in zip(order, values, strict=True):
-        if p is not None:
-            first.setdefault(p, tuple(value.shape))
+    # Each trainable variable's shape: its first group's last slot (shaped like it in every Keras optimizer,
+    # Adafactor's velocity after its factored r and c).
+    first: dict[int, tuple[int, ...]] = {}
+    first_group = (*optimizer.keras_layout()[1], ())[0]
+    for (name, p), value in zip(order, values, strict=True):
+        if p is not None and name in first_group:
+            first[p] = tuple(value.shape)
     params = _in_file_order(params, [first[p] for p in range(len(idx))] if len(first) == len(idx) else None, where)
-    idx = _trainable(params)[2]
+    leaves, _, idx = _trainable(params)
+    order = keras_order(optimizer, [leaves[i] for i in idx])  # the layers' order may choose other slots (Muon's)
+    if len(order) != len(values):
+        raise _count_error(f"{where}: {group_path}", len(values), optimizer, len(idx), order)
     return params, _state_from(optimizer.init(params), idx, where, (
         (name, p, value, f"{group_path}/{n} ({name})" if p is None else f"{group_path}/{n} ({name} of variable {p})")
         for n, ((name, p), value) in enumerate(zip(order, values, strict=True))))
@@ -446,9 +456,10 @@ def h5_values(optimizer: Any, params: Any, state: OptimizerState) -> tuple[str, 
     check_optimizer(optimizer)
     if not isinstance(state, OptimizerState):
         raise TypeError(f"optimizer_state must be the OptimizerState of the optimizer, got {type(state).__name__}")
+    leaves, _, idx = _trainable(params)
     values = [np.asarray(v.value).astype(_seam.saved_dtype(v)) if p is None
               else np.asarray(v.value if isinstance(v, varstate.Variable) else v)
-              for _, p, v in _in_keras_order(optimizer, _trainable(params)[2], state, "optimizer_state")]
+              for _, p, v in _in_keras_order(optimizer, leaves, idx, state, "optimizer_state")]
     return snake_name(type(optimizer).__name__), values
 
 
@@ -552,13 +563,17 @@ def save_optimizer_state(
 
     names = [getattr(leaves[i], "name", f"variable_{k}") for k, i in enumerate(idx)]
     trainables = [named(leaves[i], n) for i, n in zip(idx, names, strict=True)]
-    entries = _in_keras_order(optimizer, idx, state, "state", _MADE_BY)
+    entries = _in_keras_order(optimizer, leaves, idx, state, "state", _MADE_BY)
     variables = []
     for n, p, v in entries:
         if p is None:
             variables.append(named(v, f"{prefix}/{_KERAS_NAMES.get(n, n)}", _seam.saved_dtype(v)))
         elif v is None:
             raise ValueError(f"state has no slot {n!r} for trainable variable {p}; pass the state made for params")
+        elif _KERAS_NAMES.get(n) == "":  # Adafactor's r and c, both named as their variable: a registry each
+            own = varstate.Variable(v.value, name=f"{prefix}/{names[p].rsplit('/', 1)[-1]}", trainable=False,
+                                    registry=varstate.Registry())
+            variables.append(own)
         else:
             variables.append(named(v, f"{prefix}/{names[p].replace('/', '_')}_{n}"))
     rate = {"_learning_rate": variables[1]} if entries[1][0] == "learning_rate" else {}  # none for a schedule

@@ -41,7 +41,7 @@ CONFIGS = {
     "muon_plain": ("Muon", {"learning_rate": 0.02, "nesterov": False, "rms_rate": None, "weight_decay": None,
                             "exclude_layers": ["emb"], "adam_lr_ratio": 0.5, "ns_steps": 3, "momentum": 0.9}),
 }
-# The Keras checkpoint round trip (keras3/, ours/, readback.npz): checkpoint.keras has no layout for Muon yet.
+# The Keras checkpoint round trip (keras3/, ours/, readback.npz); Muon's: make_keras_optimizer_fixtures_3.py.
 ROUND_TRIP = ("lamb", "lamb_decay")
 
 

@@ -231,7 +231,7 @@ def test_the_trainable_shapes_show_through_any_optimizer_layout(config, kwargs):
     from checkpoint.keras._optimizer import keras_order
 
     shapes = [(2, 3), (3,), (3, 4), (4,)]
-    order = keras_order(getattr(keras_opt, config)(**kwargs), len(shapes))
+    order = keras_order(getattr(keras_opt, config)(**kwargs), [np.zeros(s, np.float32) for s in shapes])
     listed = [() if p is None else shapes[p] for _, p in order]
     want = shapes if any(p is not None for _, p in order) else None  # plain SGD keeps no slots: nothing shows
     assert _order.optimizer_shapes(listed, len(shapes)) == want

@@ -59,6 +59,7 @@ CASES = {
     "keras_lion": lambda: keras.Lion(0.1),
     "keras_lamb": lambda: keras.Lamb(0.1),
     "keras_muon": lambda: keras.Muon(0.1),
+    "keras_adafactor": lambda: keras.Adafactor(0.1),
     "keras_ftrl": lambda: keras.Ftrl(0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
     "keras_schedule": lambda: keras.Adam(lambda it: 0.1 / (1.0 + it.astype(jnp.float32))),
     "loss_scale_adam": lambda: LossScaleOptimizer(Adam(0.1), initial_scale=8.0),

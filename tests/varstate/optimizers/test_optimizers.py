@@ -219,6 +219,9 @@ def emb_after_one_step():
 ALL = {n: make for n, make in CASES.items() if n != "loss_scale_adam"}  # LossScaleOptimizer: test_loss_scale.py
 # Keras's Muon keeps a velocity for its AdamW variables only (test_keras_matrix_optimizers.py checks its slots)
 EVERY_SLOT = {n: make for n, make in ALL.items() if n != "keras_muon"}
+# Slots not shaped like their param (3, 2), or split otherwise: Keras's Adafactor's row and column accumulators
+SLOT_SHAPES = {"keras_adafactor": {"r": (3,), "c": (2,)}}
+SLOT_SPECS = {"keras_adafactor": {"r": ("x",), "c": (None,)}}
 
 
 def _slot_vars(state):
@@ -245,12 +248,18 @@ def test_sharding_is_preserved_across_steps(name):
     opt = ALL[name]()
     params = [Variable(jax.device_put(jnp.ones((16, 4)), sharding), name=n) for n in ("dense", "sparse")]
     state = opt.init(params)
-    assert all(s.sharding.is_equivalent_to(sharding, 2) for s in _slot_vars(state))
+
+    def split_as_wanted(s):
+        spec = SLOT_SPECS.get(name, {}).get(s.handle.slot_name)
+        want = sharding if spec is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return s.sharding.is_equivalent_to(want, s.ndim)
+
+    assert all(map(split_as_wanted, _slot_vars(state)))
     grads = [jnp.ones((16, 4)), IndexedSlices(jnp.ones((3, 4)), jnp.array([1, 9, 1]), (16, 4))]
     for _ in range(2):
         params, state = opt.apply_gradients(grads, params, state)
     assert all(p.sharding.is_equivalent_to(sharding, 2) for p in params)
-    assert all(s.sharding.is_equivalent_to(sharding, 2) for s in _slot_vars(state))
+    assert all(map(split_as_wanted, _slot_vars(state)))
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -280,9 +289,12 @@ def test_no_recompile_after_the_first_step_and_donation_honoured(name, compiles)
     params = {"w": Variable(jnp.ones((3, 2)), name="w"), "b": Variable(jnp.zeros(2), name="b")}
     state = opt.init(params)
     grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
-    old_value, old_slots = params["w"].value, [s.value for s in _slot_vars(state)]
+    old_value, old_slots = params["w"].value, {s.name: s.value for s in _slot_vars(state)}
     params, state = opt.apply_gradients(grads, params, state)
-    assert old_value.is_deleted() and all(s.is_deleted() for s in old_slots)
+    # Keras's Adafactor overwrites a matrix's velocity without reading it: jit prunes that input, which is then not
+    # donated (its buffer is freed when the old state is dropped)
+    unread = {"w/velocity"} if name == "keras_adafactor" else set()
+    assert old_value.is_deleted() and all(v.is_deleted() for n, v in old_slots.items() if n not in unread)
     compiled = compiles("_flat_step")
     for _ in range(3):
         params, state = opt.apply_gradients(grads, params, state)
@@ -298,7 +310,7 @@ def test_slots_are_named_linked_and_keep_their_identity(name):
     for n in state.get_slot_names():
         slot = state.get_slot(w, n)
         assert slot.name == f"{w.name}/{n}" and w.name.startswith("dense/kernel")
-        assert slot.handle.slot_of == w.resource_id and slot.shape == w.shape
+        assert slot.handle.slot_of == w.resource_id and slot.shape == SLOT_SHAPES.get(name, {}).get(n, w.shape)
     params, state = opt.apply_gradients({"w": jnp.ones((3, 2))}, {"w": w}, state)
     assert {n: state.get_slot(params["w"], n).resource_id for n in state.get_slot_names()} == slot_ids
     assert params["w"].resource_id == w.resource_id

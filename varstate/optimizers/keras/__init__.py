@@ -7,8 +7,8 @@ bias correction from the ``iteration`` counter), on dense gradients and on
 `varstate.IndexedSlices` with Keras's sparse rules. Run op by op (``update``
 outside ``jit``) the results equal Keras's bit for bit; under ``jit``, XLA
 may fuse a multiply and an add, which moves elements by a few ulp. `Lamb`'s
-norms and `Muon`'s matrix products sum in another order than Eigen's: their
-params agree within the bound each one's docstring states.
+norms, `Muon`'s matrix products and `Adafactor`'s means sum in another order
+than Eigen's: they agree within the bound each one's docstring states.
 
 The state is an `OptimizerState` whose slots carry Keras's names
 (``momentum``, ``velocity``, ...) and whose non-slots are Keras's
@@ -32,6 +32,7 @@ accumulation and ``exclude_from_weight_decay``.
 (1, 'dense/kernel/velocity')
 """
 
+from varstate.optimizers.keras._adafactor import Adafactor
 from varstate.optimizers.keras._adam import Adam, Adamax, AdamW, Nadam
 from varstate.optimizers.keras._base import KerasOptimizer
 from varstate.optimizers.keras._ftrl import Ftrl
@@ -40,6 +41,6 @@ from varstate.optimizers.keras._muon import Muon
 from varstate.optimizers.keras._sgd import SGD, Adadelta, Adagrad, Lion, RMSprop
 
 __all__ = [
-    "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "KerasOptimizer", "Lamb", "Lion", "Muon",
-    "Nadam", "RMSprop",
+    "SGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "KerasOptimizer", "Lamb", "Lion",
+    "Muon", "Nadam", "RMSprop",
 ]

@@ -130,6 +130,25 @@ class KerasOptimizer(Optimizer):
         lead = ("iteration",) if callable(self.learning_rate) else ("iteration", "learning_rate")
         return lead, self._slot_groups(), tuple(self._extra_non_slots())
 
+    def keras_slots(self, param: Any) -> tuple[str, ...]:
+        """The slots Keras keeps for `param`: all of `keras_layout`'s (`Muon`: ``velocity`` only where AdamW steps).
+
+        Keras's variable list holds, per slot group, these of the group's
+        slots for each trainable variable in turn.
+
+        Args:
+            param: a trainable Variable or array.
+
+        Returns:
+            The slot names, in `keras_layout`'s order.
+
+        >>> import jax.numpy as jnp
+        >>> from varstate.optimizers import keras
+        >>> keras.Adam(amsgrad=True).keras_slots(jnp.zeros(2))
+        ('momentum', 'velocity', 'velocity_hat')
+        """
+        return tuple(name for group in self._slot_groups() for name in group)
+
     def _slot_inits(self) -> dict[str, float]:
         return {name: 0.0 for group in self._slot_groups() for name in group}
 

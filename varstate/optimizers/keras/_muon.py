@@ -113,9 +113,9 @@ class Muon(_PerVariable):
     (tests/varstate/optimizers/keras/test_keras_matrix_optimizers.py).
     Under ``jit``, fused multiply-adds move elements by up to 4 ulp of the
     largest. The step reduces over whole variables: ``init(...,
-    fused=True)`` is refused (ValueError). Keras's checkpoint layout for
-    Muon (a ``velocity`` for some variables only) is not supported by
-    ``checkpoint.keras`` yet: `keras_layout` raises NotImplementedError.
+    fused=True)`` is refused (ValueError). Keras's checkpoints number a
+    ``velocity`` for the AdamW variables only (`keras_slots`), as
+    ``checkpoint.keras`` reads and writes them.
 
     Args:
         learning_rate: a float, or a schedule ``f(iteration)`` called with the
@@ -194,11 +194,21 @@ class Muon(_PerVariable):
     def _slot_groups(self):
         return (("momentum", "velocity"),)
 
-    def keras_layout(self):
-        raise NotImplementedError(
-            "Muon: Keras numbers a 'velocity' only for the variables AdamW steps, which checkpoint.keras's "
-            "layouts (one slot group for every variable) cannot express yet; save Muon's state with "
-            "checkpoint.Checkpoint instead")
+    def keras_slots(self, param: Any) -> tuple[str, ...]:
+        """``("momentum", "velocity")`` for a variable AdamW steps (`uses_adamw`), else ``("momentum",)``.
+
+        Args:
+            param: a trainable Variable or array.
+
+        Returns:
+            The slot names Keras keeps for `param`, in its order.
+
+        >>> import jax.numpy as jnp
+        >>> from varstate.optimizers import keras
+        >>> keras.Muon().keras_slots(jnp.zeros((2, 2))), keras.Muon().keras_slots(jnp.zeros(2))
+        (('momentum',), ('momentum', 'velocity'))
+        """
+        return ("momentum", "velocity") if self.uses_adamw(param) else ("momentum",)
 
     def uses_adamw(self, param: Any) -> bool:
         """Whether Keras steps `param` with AdamW (True) or with Muon's orthogonalized step (False).
