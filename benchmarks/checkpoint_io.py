@@ -1,6 +1,6 @@
 """Checkpoint save/restore against raw numpy I/O and orbax's StandardCheckpointer.
 
-Two float32 workloads (the issue's): 64 arrays / 256 MB and 2,000 arrays / 32 MB,
+Two float32 workloads: 64 arrays / 256 MB and 1,500 arrays / 24 MiB (issue 27; both formats),
 as Variables in a dict. For each, min of several repeats of:
   ours     checkpoint.Checkpoint(model=...).write(path) / .restore(path)
            (restore into uninitialized templates: values go straight to devices)
@@ -13,7 +13,11 @@ machine kind (from the issue) are printed for reference; TF is not imported.
     .venv/bin/python -m benchmarks.checkpoint_io
     .venv/bin/python -m benchmarks.checkpoint_io safetensors [MiB]   # the safetensors row alone (default 256)
     .venv/bin/python -m benchmarks.checkpoint_io restore [MiB]       # the large restore row alone (default 2048)
+    .venv/bin/python -m benchmarks.checkpoint_io save [MiB]          # the large save row alone (default 2048)
+    .venv/bin/python -m benchmarks.checkpoint_io small               # the 1,500-array rows alone, both formats
 
+The save row: 16 float32 arrays (2 GiB) saved by ours (both formats), orbax's StandardCheckpointer and one raw
+sequential write + fsync, a fresh process per contender (each writes once untimed first), peak RSS over the data.
 The safetensors row: one file of 16 float32 arrays, loaded in a fresh process per contender (ours into numpy
 and into jax arrays, the safetensors package's numpy and flax `load_file`), peak RSS over the RSS before the load.
 """
@@ -35,7 +39,8 @@ import varstate
 from benchmarks._common import best
 from benchmarks._restore_row import print_restore, restore_row
 
-RESTORE_BYTES = 2 << 30  # the large restore row's data (issue 27)
+RESTORE_BYTES = 2 << 30  # the large restore and save rows' data (issue 27)
+SMALL = (1500, 24 << 20)  # the many-small-arrays rows (issue 27): arrays, bytes
 REPEATS = 5  # the machine is noisy: 3 let one slow round through (a 2.9x restore once)
 TF_FIGURES = {"large": (0.65, 0.24), "small": (0.78, 0.87)}  # tf.train.Checkpoint save, restore (issue)
 
@@ -61,7 +66,7 @@ def workload(n, total_bytes, seed=0):
     return {f"v{i:04d}": varstate.Variable(jnp.asarray(rng.standard_normal(size, dtype=np.float32))) for i in range(n)}
 
 
-def measure(name, model, root):
+def measure(name, model, root, fmt="orbax"):
     arrays = {k: v.value for k, v in model.items()}
     path = os.path.join(root, name)
 
@@ -97,7 +102,8 @@ def measure(name, model, root):
         jax.block_until_ready(out)
 
     # ours and raw in turn, each round (the machine is noisy: a slow spell would otherwise hit one side only)
-    ours_save, raw_s, paired_s = interleaved(lambda: ckpt.write(ours_path), raw_save, [clear, remove_raw])
+    ours_save, raw_s, paired_s = interleaved(lambda: ckpt.write(ours_path, format=fmt), raw_save,
+                                             [clear, remove_raw])
     ours_load, raw_l, paired_l = interleaved(ours_restore, raw_load, [None, None])
     restored = checkpoint.Checkpoint(model=templates).restore(ours_path).model
     assert all(np.array_equal(restored[k].value, arrays[k]) for k in arrays)
@@ -117,6 +123,89 @@ def measure(name, model, root):
     shutil.rmtree(path, ignore_errors=True)
     return {"ours": (ours_save, ours_load), "raw": (raw_s, raw_l), "orbax": (orbax_s, orbax_l),
             "paired": (paired_s, paired_l)}
+
+
+# --- the large save row: one process per contender, so that each one's peak RSS is its own ------------------------
+_SAVE_CHILD = r"""
+import os, shutil, sys, time
+import numpy as np
+contender, root, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+import jax, jax.numpy as jnp
+# random bits: orbax's StandardCheckpointer compresses, and weights do not compress (constant arrays would)
+arrays = {f"v{i:02d}": jnp.asarray(np.random.default_rng(i).random(size, np.float32)) for i in range(n)}
+if contender.startswith("ours"):
+    import checkpoint, varstate
+    ckpt = checkpoint.Checkpoint(model={k: varstate.Variable(v) for k, v in arrays.items()})
+    save = lambda path: ckpt.write(path, format=contender.split()[1])
+elif contender == "orbax":
+    import orbax.checkpoint as ocp
+    std = ocp.StandardCheckpointer()
+    def save(path):
+        std.save(path, arrays)
+        std.wait_until_finished()
+else:
+    host = [np.asarray(a) for a in arrays.values()]
+    def save(path):
+        with open(path, "wb") as f:  # one sequential write of every byte, then one fsync
+            for a in host:
+                f.write(a)
+            f.flush()
+            os.fsync(f.fileno())
+def clear():
+    for name in os.listdir(root):
+        p = os.path.join(root, name)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+save(os.path.join(root, "warm"))  # untimed: a process's first 2 GiB write here runs 2-4x slower, for everyone
+clear()
+os.sync()
+def rss(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = rss("VmRSS:")
+t0 = time.perf_counter()
+save(os.path.join(root, "timed"))
+seconds = time.perf_counter() - t0
+print(seconds, rss("VmHWM:") - before, n * size * 4)
+clear()
+"""
+SAVE_CONTENDERS = ("ours orbax", "ours tf", "orbax", "raw")
+
+
+def save_row(total_bytes: int, root: str, rounds: int = 3) -> dict[str, tuple[float, float, float]]:
+    """{contender: (min seconds, median seconds/raw's in the same round, min peak RSS over the data)}: 16 float32
+    arrays of `total_bytes` saved in a fresh process per contender, rounds interleaved in turning order."""
+    import subprocess
+    import sys
+
+    size = total_bytes // 4 // 16
+    times: dict[str, list[float]] = {c: [] for c in SAVE_CONTENDERS}
+    peaks: dict[str, list[float]] = {c: [] for c in SAVE_CONTENDERS}
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    directory = os.path.join(root, "save")
+    os.makedirs(directory, exist_ok=True)
+    for r in range(rounds):
+        for c in SAVE_CONTENDERS[r % len(SAVE_CONTENDERS):] + SAVE_CONTENDERS[:r % len(SAVE_CONTENDERS)]:
+            done = subprocess.run([sys.executable, "-c", _SAVE_CHILD, c, directory, "16", str(size)],
+                                  capture_output=True, text=True, env=env, check=True)
+            seconds, peak, total = done.stdout.split()[-3:]
+            times[c].append(float(seconds))
+            peaks[c].append(int(peak) / int(total))
+    ratio = {c: sorted(t / r for t, r in zip(times[c], times["raw"], strict=True))[rounds // 2] for c in times}
+    return {c: (min(times[c]), ratio[c], min(peaks[c])) for c in SAVE_CONTENDERS}
+
+
+def print_save(total_bytes: int, row: dict[str, tuple[float, float, float]]) -> None:
+    print(f"save, 16 float32 arrays / {total_bytes >> 20} MiB from one CPU device, one process per contender, "
+          "min of rounds")
+    print(f"{'contender':<13}{'seconds':>9}{'vs raw':>8}{'paired':>8}{'vs ours tf':>12}{'peak RSS/data':>15}")
+    raw, tf = row["raw"][0], row["ours tf"][0]
+    for c, (t, paired, peak) in row.items():
+        print(f"{c:<13}{t:>9.3f}{t / raw:>7.2f}x{paired:>7.2f}x{t / tf:>11.2f}x{peak:>14.2f}x")
+    print("targets (issue 27): ours (both formats) <= 1.1x raw (one sequential write + fsync), ours orbax <= 1.0x "
+          "ours tf. Ours fsyncs every file before publishing; orbax's StandardCheckpointer leaves its small files "
+          "unsynced. paired: the median over rounds of the time over raw's in the same round.")
 
 
 # --- safetensors: one process per contender, so that each one's peak RSS is its own -----------------------------
@@ -185,32 +274,58 @@ def print_safetensors(total_bytes: int, row: dict[str, tuple[float, float]]) -> 
           "ours numpy: load(path), a dict of aligned numpy arrays; ours jax: load(path, template) onto one device.")
 
 
+def _alone(mode: str, default: int, row, show) -> None:
+    """Runs one row by itself: ``... checkpoint_io <mode> [MiB]``."""
+    import sys
+
+    size = int(sys.argv[2]) << 20 if len(sys.argv) > 2 else default
+    root = tempfile.mkdtemp(prefix="varstate-bench-")
+    try:
+        show(size, row(size, root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def small_rows(root: str) -> dict[str, dict]:
+    n, total = SMALL
+    model = workload(n, total, seed=1)
+    return {fmt: measure(f"small-{fmt}", model, root, fmt) for fmt in ("orbax", "tf")}
+
+
+def print_small(results: dict[str, dict]) -> None:
+    n, total = SMALL
+    print(f"{n:,} float32 arrays / {total >> 20} MiB, in process (min of {REPEATS}; seconds)")
+    print(f"{'format':<8}{'op':<9}{'ours':>8}{'raw':>8}{'orbax':>8}{'ours/raw':>10}{'paired':>8}")
+    for fmt, r in results.items():
+        for i, op in enumerate(("save", "restore")):
+            ours, raw = r["ours"][i], r["raw"][i]
+            orb = f"{r['orbax'][i]:>8.3f}" if fmt == "orbax" else f"{'':>8}"
+            print(f"{fmt:<8}{op:<9}{ours:>8.3f}{raw:>8.3f}{orb}{ours / raw:>9.2f}x{r['paired'][i]:>7.2f}x")
+    print("targets (issue 27): ours <= 1.5x raw, save and restore (raw: numpy write + fsync / read of the bytes).")
+
+
 def main():
     import sys
 
-    if sys.argv[1:2] == ["restore"]:  # only the large restore row: `... checkpoint_io restore [MiB]`
-        size = int(sys.argv[2]) << 20 if len(sys.argv) > 2 else RESTORE_BYTES
-        root = tempfile.mkdtemp(prefix="varstate-bench-")
-        try:
-            print_restore(size, restore_row(size, root))
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+    rows = {"restore": (RESTORE_BYTES, restore_row, print_restore), "save": (RESTORE_BYTES, save_row, print_save),
+            "safetensors": (256 << 20, safetensors_row, print_safetensors)}
+    if sys.argv[1:2] and sys.argv[1] in rows:  # one row alone: `... checkpoint_io <row> [MiB]`
+        _alone(sys.argv[1], *rows[sys.argv[1]])
         return
-    if sys.argv[1:2] == ["safetensors"]:  # only this row: `... checkpoint_io safetensors [MiB]`
-        size = int(sys.argv[2]) << 20 if len(sys.argv) > 2 else 256 << 20
+    if sys.argv[1:2] == ["small"]:
         root = tempfile.mkdtemp(prefix="varstate-bench-")
         try:
-            print_safetensors(size, safetensors_row(size, root))
+            print_small(small_rows(root))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return
     root = tempfile.mkdtemp(prefix="varstate-bench-")
     try:
-        results = {
-            "large": measure("large", workload(64, 256 << 20), root),
-            "small": measure("small", workload(2000, 32 << 20, seed=1), root),
-        }
+        results = {"large": measure("large", workload(64, 256 << 20), root)}
+        small = small_rows(root)
+        results["small"] = small["orbax"]
         st_row = safetensors_row(256 << 20, root)
+        saving = save_row(RESTORE_BYTES, root)
         restore = restore_row(RESTORE_BYTES, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -219,16 +334,21 @@ def main():
             f"{'orbax/ours':>12}")
     print(head)
     print("-" * len(head))
-    labels = {"large": "64 arrays / 256 MB", "small": "2,000 arrays / 32 MB"}
+    labels = {"large": "64 arrays / 256 MB", "small": f"{SMALL[0]:,} arrays / {SMALL[1] >> 20} MiB"}
     for name, r in results.items():
         for i, op in enumerate(("save", "restore")):
             ours, raw, orb, tf = r["ours"][i], r["raw"][i], r["orbax"][i], TF_FIGURES[name][i]
             print(f"{labels[name]:<22}{op:<9}{ours:>8.3f}{raw:>8.3f}{orb:>8.3f}{tf:>7.2f}"
                   f"{ours / raw:>9.2f}x{r['paired'][i]:>7.2f}x{orb / ours:>11.2f}x")
-    print("targets (issue 15): ours/raw <= 1.2 save, <= 1.1 restore (256 MB); <= 1.5 both (2,000 arrays); "
-          "orbax/ours >= 1.0 (large), >= 5 (small); faster than TF.")
+    print("targets (issue 15): ours/raw <= 1.2 save, <= 1.1 restore (256 MB); orbax/ours >= 1.0 (large), >= 5 "
+          "(small); faster than TF.")
     print("ours/raw: min over min; paired: the median over rounds of ours/raw within a round.")
-    print("* TF: tf.train.Checkpoint measured on this machine kind (from the issue), not run here.")
+    print("* TF: tf.train.Checkpoint measured on this machine kind (from the issue; its small row had 2,000 "
+          "arrays / 32 MB), not run here.")
+    print()
+    print_small(small)
+    print()
+    print_save(RESTORE_BYTES, saving)
     print()
     print_safetensors(256 << 20, st_row)
     print()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -405,7 +406,8 @@ class Checkpoint:
 
 
 def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True, checkpointer: Any = None,
-                background: bool = False, counter: int | None = None) -> Callable[[], None]:
+                background: bool = False, counter: int | None = None,
+                max_staging_bytes: int | None = None) -> Callable[[], None]:
     """Starts writing `ckpt`'s roots to the unpublished name `temp`; returns the function that finishes it.
 
     The `write` of the save sequence (`_storage/_save.py`) for
@@ -425,6 +427,12 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
         background: copy the values off the arrays now (see above).
         counter: the ``save_counter`` to record; None records this
             Checkpoint's own, if it counts.
+        max_staging_bytes: with `background`, the most bytes of host copies
+            the returned function may hold; what does not fit is written
+            before this returns (the TF format: the values in the order
+            written until the rest fits; the orbax format: all of it, the
+            copies of orbax's asynchronous save being all or nothing).
+            None: no bound.
 
     Returns:
         The function that finishes the write.
@@ -444,15 +452,17 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
             return lambda: None
         return finish
     if format == "tf":
-        from checkpoint._storage._bundle_writer import tf_tensors
+        from checkpoint._storage._bundle_writer import start_bundle, tf_tensors
 
         tensors = tf_tensors(values, graph.proto.SerializeToString())
-        if background:  # np.asarray of a CPU jax.Array may share its buffer
-            tensors = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in tensors.items()}
-        return lambda: _storage.write_bundle(temp, tensors)
+        if not background:
+            return lambda: _storage.write_bundle(temp, tensors)
+        return start_bundle(temp, tensors, math.inf if max_staging_bytes is None else max_staging_bytes)
     from checkpoint._storage import _orbax
 
     tree, meta = _orbax.layout(values, graph.proto, batched=packed)
+    if background and max_staging_bytes is not None and _orbax.staged_bytes(tree) > max_staging_bytes:
+        checkpointer = None  # copies past the bound: written now, from the arrays themselves, without copies
     own = checkpointer is None
     checkpointer = _orbax.checkpointer() if own else checkpointer
     try:

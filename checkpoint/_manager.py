@@ -156,8 +156,15 @@ class CheckpointManager:
     ones, do not change what is saved); `wait_until_finished()` waits for the
     commit, and so does the end of the program: a pending save is committed
     before the interpreter exits, or the process exits with status 1 and a
-    message naming the checkpoint. Used as a context manager, the manager
-    waits for its pending save and closes on leaving the block.
+    message naming the checkpoint; a failed asynchronous save is raised
+    again by the next `save`, `restore` or `wait_until_finished`. The copies
+    are bounded by ``max_staging_bytes``: past it, ``format="tf"`` writes
+    values in the calling thread until the rest fit, and the orbax format
+    writes the whole checkpoint before `save` returns (orbax's asynchronous
+    save copies all or nothing); only the commit is then left to the
+    background. Every file is fsynced before the checkpoint is published
+    (both formats). Used as a context manager, the manager waits for its
+    pending save and closes on leaving the block.
 
     Guarantees: at every instant (a SIGKILL included) the latest checkpoint
     in the state file is complete. Saving a step that exists raises
@@ -200,11 +207,17 @@ class CheckpointManager:
         best_mode: ``"max"`` or ``"min"``: which scores are best.
         format: ``"orbax"``, or ``"tf"`` for TF TensorBundles.
         packed: (orbax) as `Checkpoint.write`'s.
+        max_staging_bytes: with `async_save`, the most bytes of host copies
+            a save keeps for its background write; None: no bound (the whole
+            checkpoint). A save whose copies would hold more writes the rest
+            before `save` returns (see below).
 
     Raises:
         TypeError: an `async_save` or `packed` that is not a bool.
         ValueError: a `max_to_keep`, `keep_every_n_steps` or
             `save_interval_steps` that is not a positive int; a
+            `max_staging_bytes` that is not a non-negative int, or given
+            without `async_save`; a
             `checkpoint_name` with characters other than letters, digits and
             ``_.-``; a `best_fn` that is not callable; an unknown `best_mode` or
             `format`.
@@ -234,6 +247,7 @@ class CheckpointManager:
         best_mode: str = "max",
         format: str = "orbax",
         packed: bool = True,
+        max_staging_bytes: int | None = None,
     ) -> None:
         for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (type(value) is not int or value < 1):
@@ -250,6 +264,15 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager: best_mode must be 'max' or 'min', got {best_mode!r}.")
         check_format(format, "CheckpointManager")
         _check_bools("CheckpointManager", async_save=async_save, packed=packed)
+        if max_staging_bytes is not None:
+            if type(max_staging_bytes) is not int or max_staging_bytes < 0:
+                raise ValueError(f"CheckpointManager: max_staging_bytes must be a non-negative int (bytes) or None, "
+                                 f"got {max_staging_bytes!r}.")
+            if not async_save:
+                raise ValueError(f"CheckpointManager: max_staging_bytes={max_staging_bytes} bounds the copies an "
+                                 "asynchronous save holds, and async_save is False (a save then copies nothing); "
+                                 "pass async_save=True, or leave max_staging_bytes out.")
+        self.max_staging_bytes = max_staging_bytes
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
         self.save_interval_steps = save_interval_steps
@@ -513,7 +536,7 @@ class CheckpointManager:
 
                 self._checkpointer = _orbax.checkpointer(self._async)
             return start_write(ckpt, temp, self.format, packed=self._packed, background=self._async, counter=step,
-                                    checkpointer=self._checkpointer)
+                               checkpointer=self._checkpointer, max_staging_bytes=self.max_staging_bytes)
 
         complete = _save.start(path, self.format, "CheckpointManager.save", write,
                                lambda primary: self._commit(step, metrics, score, primary),

@@ -5,10 +5,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import os
 import struct
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,7 +25,7 @@ from checkpoint._storage._files import replacing
 from checkpoint._storage._table import read_table, varint, write_table
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
-__all__ = ["Sliced", "tf_tensors", "write_bundle", "write_bundle_of_processes"]
+__all__ = ["Sliced", "start_bundle", "tf_tensors", "write_bundle", "write_bundle_of_processes"]
 
 _OVERLAP_BYTES = 1 << 20  # a value this large has its checksum computed beside its write
 
@@ -114,36 +118,149 @@ def write_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     synced to disk and renamed into place, data first: a crash or a power loss
     never leaves a readable half checkpoint.
     """
+    start_bundle(prefix, tensors)()
+
+
+def start_bundle(prefix: str | os.PathLike, tensors: Mapping[str, Any],
+                 staging: float | None = None) -> Callable[[], None]:
+    """Starts `write_bundle(prefix, tensors)`; returns the function that completes it.
+
+    With `staging` None nothing is written (or read) before the returned
+    function runs. With a number of bytes, the values go to the data file
+    in order now, until the ones left fit in `staging` bytes; those are
+    copied (a jax.Array to the host) and the returned function, which may
+    run in another thread, writes them and the index: from the return on,
+    the caller may change or donate every array it passed. The copies hold
+    at most `staging` bytes.
+    """
     prefix = os.fspath(prefix)
     records = _records(tensors)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    with replacing(data_filename(prefix, 0, 1), prefix + ".index", tempstate=True) as (data, index):
-        _write_index(index, 1, _write_data(data, records, 0))
+    files = contextlib.ExitStack()
+    data, index = files.enter_context(replacing(data_filename(prefix, 0, 1), prefix + ".index", tempstate=True))
+    with contextlib.ExitStack() as on_error:
+        on_error.push(files)
+        writer = files.enter_context(_DataWriter(data, 0))
+        if staging is not None:
+            now = _beyond(records, staging)
+            writer.write(records[:now])
+            records = [(name, key, _snapshot(value), full) for name, key, value, full in records[now:]]
+        on_error.pop_all()
+
+    def finish() -> None:
+        with files:
+            writer.write(records)
+            writer.close()
+            _write_index(index, 1, writer.items)
+
+    return finish
 
 
-def _write_data(temp_path: str, records: list, shard: int) -> list[tuple[bytes, bytes]]:
-    """Writes the values of `records` to `temp_path`; returns their stored index entries (in shard `shard`)."""
-    items = []
-    with ThreadPoolExecutor(1) as pool, open(temp_path, "wb") as f:
-        offset = 0
+def _nbytes(value: Any) -> int:
+    return len(value) if isinstance(value, (bytes, str)) else int(getattr(value, "nbytes", 64))
+
+
+def _beyond(records: list, staging: float) -> int:
+    """How many of `records`, from the first, must be written now for the rest to fit in `staging` bytes."""
+    left = 0
+    for i in range(len(records) - 1, -1, -1):
+        value = records[i][2]
+        left += 0 if value is None else _nbytes(value)
+        if left > staging:
+            return i + 1
+    return 0
+
+
+def _snapshot(value: Any) -> Any:
+    """`value` as a host copy nothing else refers to (bytes and Python values are immutable already)."""
+    return value if value is None or isinstance(value, (bytes, str, bool, int, float)) else np.array(value)
+
+
+def _start_writeback(fd: int, offset: int, size: int) -> None:
+    """Asks the kernel to start writing these bytes to disk now, without waiting (Linux; a no-op elsewhere).
+
+    The fsync that ends the write then waits for what is left, not for the
+    whole file: the disk writes one value while the next is copied to the
+    page cache.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, size, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait for it
+
+
+def _sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux' glibc
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+
+
+class _DataWriter:
+    """Writes values to a data file one after another; `items` are their stored index entries (in shard `shard`)."""
+
+    def __init__(self, path: str, shard: int) -> None:
+        self.file = open(path, "wb", buffering=0)  # closed by close() or __exit__
+        self.pool = ThreadPoolExecutor(1)
+        self.shard, self.offset = shard, 0
+        self.items: list[tuple[bytes, bytes]] = []
+        self.small = bytearray()  # small values are gathered into one write
+
+    def __enter__(self) -> _DataWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def write(self, records: list) -> None:
         for name, key, value, full in records:
             if full is not None:
-                items.append((name, full))
+                self.items.append((name, full))
                 continue
             enum, data, shape, crc = _as_value(key, value)
             size = len(data) if isinstance(data, bytes) else data.size
             if crc is None and size < _OVERLAP_BYTES:
                 crc = crc32c(data)
             # A large value's checksum runs beside its write (both release the GIL).
-            job = pool.submit(crc32c, data) if crc is None else None
-            f.write(data)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ from Python 3.12
+            job = self.pool.submit(crc32c, data) if crc is None else None
+            if size < _OVERLAP_BYTES:
+                self.small += memoryview(data)  # type: ignore[arg-type]  # ndarray __buffer__: numpy's 3.12 stubs
+            else:
+                self._flush()
+                self._write_all(data)
+                _start_writeback(self.file.fileno(), self.offset, size)
             entry = tensor_bundle_pb2.BundleEntryProto(
-                dtype=enum, shape={"dim": [{"size": d} for d in shape]}, shard_id=shard, offset=offset, size=size,
-                crc32c=mask(crc if job is None else job.result()),  # type: ignore[arg-type]  # crc is None only with a job
+                dtype=enum, shape={"dim": [{"size": d} for d in shape]}, shard_id=self.shard, offset=self.offset,
+                size=size, crc32c=mask(crc if job is None else job.result()),  # type: ignore[arg-type]  # crc None only with a job
             )
-            items.append((name, entry.SerializeToString()))
-            offset += size
-    return items
+            self.items.append((name, entry.SerializeToString()))
+            self.offset += size
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.small:
+            self._write_all(memoryview(self.small))
+            self.small = bytearray()
+
+    def _write_all(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:  # an unbuffered write may write less than asked
+            view = view[self.file.write(view):]
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.pool.shutdown()
+            self.file.close()
+
+
+def _write_data(temp_path: str, records: list, shard: int) -> list[tuple[bytes, bytes]]:
+    """Writes the values of `records` to `temp_path`; returns their stored index entries (in shard `shard`)."""
+    with _DataWriter(temp_path, shard) as writer:
+        writer.write(records)
+    return writer.items
 
 
 def _write_index(temp_path: str, num_shards: int, items: list[tuple[bytes, bytes]]) -> None:
@@ -172,7 +289,7 @@ def tf_tensors(values: dict[str, Any], object_graph: bytes) -> dict[str, Any]:
                 )
             tensors[key] = np.asarray(v, np.int64 if type(v) is int else None)
         else:
-            tensors[key] = np.asarray(v)  # a jax.Array copies itself to the host
+            tensors[key] = np.asarray(v)  # a jax.Array copies itself to the host (on CPU: shares its buffer)
     tensors[_keys.OBJECT_GRAPH_KEY] = object_graph
     return tensors
 

@@ -51,6 +51,7 @@ from checkpoint._storage._orbax_layout import (
     on_every_host,
     save_args,
     seal,
+    staged_bytes,
 )
 from checkpoint._storage._orbax_native import KeyedReader
 from checkpoint._storage._orbax_validate import (
@@ -68,7 +69,7 @@ from checkpoint._storage._orbax_validate import (
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 __all__ = ["FORMAT", "META_FILE", "VERSION", "OrbaxReader", "checkpointer", "crc32c", "is_temporary", "layout",
-           "save_args", "seal"]
+           "save_args", "seal", "staged_bytes"]
 
 _META_LIMIT = 256 << 20  # bytes of meta/metadata; a million keys take about 200 MB
 _OPEN_AHEAD = 256  # arrays opened ahead of the reads

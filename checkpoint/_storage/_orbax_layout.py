@@ -10,6 +10,7 @@ import base64
 import functools
 import json
 import math
+import re
 from typing import Any
 
 import jax
@@ -221,6 +222,22 @@ def canonical(meta: dict) -> bytes:
     """The bytes the metadata's crc32c covers: every field but the checksum, as canonical JSON."""
     body = {k: v for k, v in meta.items() if k != "crc32c"}
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def staged_bytes(tree: dict) -> int:
+    """Bytes of host copies an asynchronous orbax save of `tree` holds while it writes.
+
+    orbax's asynchronous save copies every array this process writes before
+    it returns (the batches too, which `layout` made: those count twice).
+    """
+    total = 0
+    for name, value in tree.items():
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            own = sum(s.data.nbytes for s in value.addressable_shards if s.replica_id == 0)
+        else:
+            own = int(np.asarray(value).nbytes if not hasattr(value, "nbytes") else value.nbytes)
+        total += own * (2 if re.fullmatch(r"p\d+", name) else 1)
+    return total
 
 
 def checkpointer(async_save: bool = False) -> ocp.AbstractCheckpointer:

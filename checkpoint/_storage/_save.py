@@ -1,7 +1,7 @@
 """The one save sequence of `Checkpoint.save`/`write` and `CheckpointManager.save`.
 
-lock (and leftovers) -> temporary name -> barrier -> write -> barrier ->
-publish -> record -> barrier -> unlock. In a `jax.distributed` job only
+lock (and leftovers) -> temporary name -> barrier -> write -> fsync of every
+file written -> barrier -> publish -> record -> barrier -> unlock. In a `jax.distributed` job only
 process 0 touches what is shared (the lock, the leftovers, the publish, the
 state file); every process writes its own shards between the barriers
 (`_distributed.py`). What is written and how it is recorded come in as
@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 
 from checkpoint._storage import _distributed, _publish
+from checkpoint._storage._files import sync_tree
 
 
 def start(
@@ -51,6 +52,7 @@ def start(
     def complete() -> None:
         try:
             _collective(finish)
+            sync_tree(temp)  # every byte on disk before anything names the checkpoint
             _distributed.barrier(f"varstate-written:{path}")  # every process's shards are on disk
             if primary:
                 if before_publish is not None:
