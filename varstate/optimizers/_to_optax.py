@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -43,26 +44,68 @@ def _initial(opt: Optimizer, leaves: list) -> tuple[dict[str, list], dict[str, A
 
     `Optimizer.init` makes Variables, which cannot be made under a trace
     (``jax.jit(tx.init)``, ``jax.eval_shape(tx.init, ...)``, as orbax restores
-    do). Hosted optax state is computed by the transformation itself; every
-    other optimizer's initial state depends on the params' shapes and dtypes
-    only (TF fills slots with constants), so it is made outside the trace from
-    zeros of those shapes (and checked against ones: a slot that copies the
-    params is an error there).
+    do, or ``optax.inject_hyperparams``, which builds the optimizer with traced
+    hyperparameters). Hosted optax state is computed by the transformation
+    itself; every other optimizer's initial state depends on the params'
+    shapes and dtypes only (TF fills slots with constants), so it is made
+    outside the trace from zeros of those shapes (and checked against ones: a
+    slot that copies the params is an error there), by a copy of `opt` whose
+    traced hyperparameters are stand-in floats; an initial value that is one
+    of them (Keras's ``learning_rate`` variable) is then the traced value.
     """
     hook = getattr(opt, "_initial_arrays", None)
     if hook is not None:
         return hook(leaves, _initial)
-    if not any(isinstance(x, Tracer) for x in leaves):
+    traced = {f.name: f for f in dataclasses.fields(opt) if isinstance(getattr(opt, f.name), Tracer)}
+    if not traced and not any(isinstance(x, Tracer) for x in leaves):
         return _arrays(opt.init(leaves))
+    # The stand-in: the field's default where it is a float (passes the constructor's checks), else 0.5.
+    twin = dataclasses.replace(opt, **{
+        name: f.default if isinstance(f.default, float) else 0.5 for name, f in traced.items()})
     with jax.core.eval_context():
-        made = [_arrays(opt.init([jnp.full(x.shape, fill, x.dtype) for x in leaves])) for fill in (0, 1)]
+        made = [_arrays(twin.init([jnp.full(x.shape, fill, x.dtype) for x in leaves])) for fill in (0, 1)]
     if not all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), *made))):
         raise ValueError(
             f"to_optax({type(opt).__name__}).init under jax.jit or jax.eval_shape: this optimizer's initial state "
             "depends on the params' values (a slot copies them), which a trace does not have. Call tx.init(params) "
             "outside jit."
         )
-    return made[0]
+    slots, non_slots = made[0]
+    for name, fill in opt._slot_inits().items():
+        if isinstance(fill, Tracer):
+            slots[name] = [None if s is None else jnp.full(s.shape, fill, s.dtype) for s in slots[name]]
+    for name, value in opt._non_slot_inits().items():
+        if isinstance(value, Tracer):
+            non_slots[name] = jnp.asarray(value, non_slots[name].dtype)
+    return slots, non_slots
+
+
+def _home(leaves: list) -> Any:
+    """Where an eager init puts the step count and the non-slots: replicated over the first param's placement
+    when that is committed (so a jitted step's inputs are all committed from its first call, and its second call
+    finds them as the first left them); None when it is not (jit's outputs then stay uncommitted too)."""
+    first = next((x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, Tracer)), None)
+    if first is None or not first.committed:
+        return None
+    sharding = first.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding if isinstance(sharding, jax.sharding.SingleDeviceSharding) else None
+
+
+def _placed(x: Any, home: Any) -> Any:
+    if home is None or isinstance(x, Tracer) or getattr(x, "committed", True):
+        return x
+    return jax.device_put(x, home)
+
+
+def _takes_extra_args(opt: Optimizer) -> bool:
+    """Whether `opt.update` takes keyword arguments beyond ``step`` (a hosted optax transformation does, TF's
+    optimizers refuse them): optax's rule is that a transformation ignores the extra arguments it has no use for."""
+    inner = getattr(opt, "inner_optimizer", None)  # LossScaleOptimizer passes them on
+    # from_optax's optimizer holds its transformation as `tx` (not isinstance: _optax imports the base, which
+    # imports this module).
+    return _takes_extra_args(inner) if inner is not None else hasattr(opt, "tx")
 
 
 def _arrays(state: OptimizerState) -> tuple[dict[str, list], dict[str, Any]]:
@@ -77,9 +120,17 @@ def to_optax(opt: Optimizer) -> Any:
     `TFOptimizerState` of arrays, so it checkpoints as any optax state (orbax,
     or `checkpoint.Checkpoint` as a pytree). It works wherever optax does:
     `optax.chain`, `flax.nnx.Optimizer` (``wrt=nnx.Param``), a train step
-    under ``jax.jit``. Keyword arguments of ``update`` beyond ``params``
-    (``value=`` ...) reach ``opt.update``. ``init`` may run under ``jax.jit``
-    or ``jax.eval_shape``.
+    under ``jax.jit``, ``optax.MultiSteps``. Of the keyword arguments of
+    ``update`` beyond ``params``, ``step=`` is the step a callable
+    hyperparameter sees (default: the state's ``count``); the others
+    (``value=`` ...) reach ``opt.update`` where it takes them (a transformation
+    hosted by `from_optax`) and are ignored elsewhere, as optax's rule for
+    extra arguments is. ``init`` may run under ``jax.jit`` or
+    ``jax.eval_shape``; run eagerly, it makes the count and non-slots where
+    the params are (uncommitted for uncommitted params), so a jitted step
+    compiles once. optax's own generic optimizer tests (its ``AliasTest``)
+    pass; ``tests/varstate/optimizers/test_optax_alias.py`` runs them and
+    names the cases that do not apply.
 
     What differs from ``opt.apply_gradients``:
 
@@ -120,6 +171,7 @@ def to_optax(opt: Optimizer) -> Any:
         raise TypeError(
             f"to_optax: expected a varstate.optimizers.Optimizer (e.g. Adam(1e-3)), got {type(opt).__name__}.{hint}"
         )
+    takes_extra_args = _takes_extra_args(opt)
     registry = Registry()  # the non-slot stand-ins' names stay out of the caller's registries
     held: dict[tuple, Variable] = {}
 
@@ -133,11 +185,13 @@ def to_optax(opt: Optimizer) -> Any:
 
     def init(params: Any) -> TFOptimizerState:
         leaves, treedef = jax.tree.flatten(params, is_leaf=is_var)
-        slots, non_slots = _initial(opt, [array_of(x) for x in leaves])
+        arrays = [array_of(x) for x in leaves]
+        slots, non_slots = _initial(opt, arrays)
+        home = _home(arrays)
         return TFOptimizerState(
-            count=jnp.zeros((), jnp.int32),
+            count=_placed(jnp.zeros((), jnp.int32), home),
             slots={name: treedef.unflatten(made) for name, made in slots.items()},
-            non_slots=non_slots,
+            non_slots={name: _placed(value, home) for name, value in non_slots.items()},
         )
 
     def update(updates: Any, state: TFOptimizerState, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
@@ -160,7 +214,8 @@ def to_optax(opt: Optimizer) -> Any:
             slots={name: treedef.flatten_up_to(tree) for name, tree in state.slots.items()},
             non_slots={name: stand_in(name, value) for name, value in state.non_slots.items()},
         )
-        new, new_state = opt.update(grads, old, given, state.count, **extra_args)
+        step = extra_args.pop("step", state.count)
+        new, new_state = opt.update(grads, old, given, step, **(extra_args if takes_extra_args else {}))
         deltas = [with_value(p, n - o) for p, n, o in zip(p_vars, new, old, strict=True)]
         out = TFOptimizerState(
             count=state.count + 1,

@@ -1,5 +1,8 @@
 """`to_optax`: varstate optimizers as optax transformations, against `apply_gradients` (the reference)."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +23,9 @@ from varstate.optimizers import (
     from_optax,
 )
 from varstate.optimizers._to_optax import TFOptimizerState, to_optax
+
+sys.path.insert(0, os.path.dirname(__file__))
+from optimizer_cases import CASES
 
 OPTIMIZERS = {
     "gd": lambda: GradientDescent(0.01),
@@ -191,6 +197,18 @@ def test_init_under_jit_equals_eager_init():
     jax.tree.map(np.testing.assert_array_equal, state.slots["z"], params)
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_init_under_jit_and_eval_shape_for_every_optimizer(name):
+    # orbax's restore target is eval_shape of init; inject_hyperparams and MultiSteps run init under jit.
+    tx = CASES[name]().to_optax()
+    params = _params(8)
+    eager = tx.init(params)
+    jax.tree.map(np.testing.assert_array_equal, jax.jit(tx.init)(params), eager)
+    shapes = jax.eval_shape(tx.init, params)
+    assert jax.tree.structure(shapes) == jax.tree.structure(eager)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)] == [(x.shape, x.dtype) for x in jax.tree.leaves(eager)]
+
+
 def test_variables_none_grads_and_chain():
     w = varstate.Variable(jnp.array([1.0, 2.0]), name="w")
     b = varstate.Variable(jnp.array([0.5]), name="b")
@@ -260,3 +278,92 @@ def test_sparse_gradients_take_the_sparse_update():
     np.testing.assert_array_equal(optax.apply_updates([table], updates)[0], ref)
     assert updates[0][1].tolist() == [0.0, 0.0, 0.0] and updates[0][3].tolist() == [0.0, 0.0, 0.0]
     np.testing.assert_array_equal(state.slots["m"][0], ref_state.slots["m"][0])
+
+
+def test_extra_args_a_tf_optimizer_has_no_use_for_are_ignored_as_optax_requires():
+    # optax's rule for update's keyword arguments: a transformation ignores those it has no use for. Chained with
+    # reduce_on_plateau, Adam leaves value= to it: the chain's updates are Adam's scaled by optax's plateau alone.
+    plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=1)
+    tx, alone = optax.chain(Adam(0.1).to_optax(), plateau), Adam(0.1).to_optax()
+    params = _params(6)
+    state, alone_state, plateau_state = tx.init(params), alone.init(params), plateau.init(params)
+
+    @jax.jit
+    def reference(grads, alone_state, plateau_state, params, loss):
+        u, alone_state = alone.update(grads, alone_state, params)
+        u, plateau_state = plateau.update(u, plateau_state, params, value=loss)
+        return u, alone_state, plateau_state
+
+    for i, loss in enumerate((1.0, 2.0, 3.0, 0.5)):
+        updates, state = jax.jit(tx.update)(_grads(i), state, params, value=loss)
+        ref, alone_state, plateau_state = reference(_grads(i), alone_state, plateau_state, params, loss)
+        jax.tree.map(np.testing.assert_array_equal, updates, ref)
+        params = optax.apply_updates(params, updates)
+    assert float(state[1].scale) == 0.25  # no improvement twice
+    # Any other name is ignored too (optax's AliasTest passes one no optimizer expects).
+    a, _ = tx.update(_grads(0), state, params, value=1.0, unexpected_extra_arg=1)
+    b, _ = tx.update(_grads(0), state, params, value=1.0)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_step_keyword_is_the_step_a_callable_hyperparameter_sees():
+    tx = GradientDescent(lambda step: 0.1 * (step + 1)).to_optax()
+    params = [jnp.array([1.0])]
+    (u,), state = tx.update([jnp.array([1.0])], tx.init(params), params, step=4)
+    assert u.tolist() == [-0.5]  # learning rate 0.1 * 5; without step=, the count (0) gives 0.1
+    (u,), state = tx.update([jnp.array([1.0])], state, params)
+    # The count (1), an int32 array: the learning rate is computed in float32, as is the step.
+    f32 = np.float32
+    assert u.tolist() == [float(f32(1) - f32(0.1) * f32(2) - f32(1))] and int(state.count) == 2
+
+
+@pytest.mark.parametrize("where", ["device", "mesh"])
+def test_an_eager_init_puts_count_and_non_slots_where_committed_params_are(where, compiles):
+    # A jitted step's outputs are committed where its committed inputs are; state left uncommitted beside
+    # committed params made the second call compile again (as optax.adam's count does here).
+    if where == "device":
+        placed, home = (jax.sharding.SingleDeviceSharding(jax.devices()[1]),) * 2
+    else:
+        mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+        placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+        home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    tx = varstate.optimizers.keras.Adam(0.1).to_optax()  # non-slots: iteration, learning_rate
+    params = {"w": jax.device_put(jnp.ones((8, 4)), placed)}
+    state = tx.init(params)
+    for x in (state.count, *state.non_slots.values()):
+        assert x.committed and x.sharding == home
+    for tree in state.slots.values():
+        assert tree["w"].committed and tree["w"].sharding == placed
+
+    @jax.jit
+    def train(p, s):
+        u, s = tx.update(jax.grad(lambda p: jnp.sum(jnp.tanh(p["w"])))(p), s, p)
+        return optax.apply_updates(p, u), s
+
+    params, state = train(params, state)
+    before = compiles("train")
+    for _ in range(3):
+        params, state = train(params, state)
+    assert compiles("train") == before
+
+
+class _TracedKerasAdam(varstate.optimizers.keras.Adam):
+    # Stands for a constructor that keeps a traced learning rate (as inject_hyperparams under jit passes one):
+    # Keras's learning rate is also a non-slot's initial value, which an init under a trace cannot make a Variable.
+    _hyper_names = ()
+
+    def hyperparameters(self, step=None):
+        return {"learning_rate": self.learning_rate}
+
+
+@pytest.mark.parametrize("params_traced", [False, True])
+def test_init_of_an_optimizer_built_with_a_traced_hyperparameter(params_traced):
+    params = _params(7)
+
+    def init(lr, params):
+        return _TracedKerasAdam(lr).to_optax().init(params)
+
+    state = jax.jit(init)(0.25, params) if params_traced else jax.jit(lambda lr: init(lr, params))(0.25)
+    ref = varstate.optimizers.keras.Adam(0.25).to_optax().init(params)
+    jax.tree.map(np.testing.assert_array_equal, state, ref)
+    assert state.non_slots["learning_rate"].dtype == jnp.float32 and float(state.non_slots["learning_rate"]) == 0.25

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
-from varstate._jax_compat import in_transformation
+from varstate._jax_compat import Tracer, in_transformation
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers._core import _packed, _step
 from varstate.optimizers._core._matching import (
@@ -123,7 +123,9 @@ class Optimizer:
     def __post_init__(self) -> None:
         for name in self._hyper_names:
             x = getattr(self, name)
-            if callable(x):
+            # A tracer: optax.inject_hyperparams builds the optimizer inside its jitted init/update. Such an
+            # optimizer steps through `update` and `to_optax`; it cannot be a static jit argument (apply_gradients).
+            if callable(x) or isinstance(x, Tracer):
                 continue
             # Arrays are unhashable; a config must be a static jit argument.
             try:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate._global_step import int64_counter
+from varstate._jax_compat import Tracer
 from varstate._variable import Variable
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._matching import is_var
@@ -99,7 +100,7 @@ class KerasOptimizer(Optimizer):
         super().__post_init__()
         for name in (*self._floats, "weight_decay"):
             x = getattr(self, name)
-            if x is None and name == "weight_decay":
+            if name == "weight_decay" and (x is None or isinstance(x, Tracer)):  # traced: used as a float32 value
                 continue
             if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
                 raise TypeError(f"{type(self).__name__}: {name} must be a float, got {type(x).__name__} {x!r:.40}.")
