@@ -1,7 +1,10 @@
 """Optimizer step speed and memory: varstate vs optax.adam, optax.flatten(optax.adam) (jit + donation) and nnx.
 
-Run by hand: ``.venv/bin/python -m benchmarks.optimizers`` (several minutes on 2 CPU cores, most of it
-compiling steps over 1,000 tensors). Setups: Adam on 1,000 x 16x4 and 200 x 256x64, params as a list and as a
+Run by hand: ``.venv/bin/python -m benchmarks.optimizers`` (over 15 minutes on 2 CPU cores, most of it
+compiling steps over 1,000 tensors). First the default path's rows (issue 25): Adam as ``init(params)`` makes
+it, no ``fused=``, against ``optax.adam`` in the four setups below of each size, all eight runners of a size
+taking turns in rounds of bursts (`_paired`); target <= 1.0x in each, varstate's slowest setup within 10% of its
+fastest. Then the full table. Setups: Adam on 1,000 x 16x4 and 200 x 256x64, params as a list and as a
 dict, gradients fresh from ``jnp.full`` and made by a jitted function, each unfused and fused
 (``init(params, fused=True)``), then fused against unfused over one total size split into params of several
 sizes (where packing pays, which sets `FUSE_MAX_SIZE`). Times are the minimum over repeats of the
@@ -9,7 +12,8 @@ mean step time of a burst of steps (the machine is noisy; CPU time is the steadi
 varstate is faster. Also: the first step of a freshly built model identical to one already stepped (the compiled
 step is reused) against a jit over Variables, which traces and compiles again; the compiled peak memory of one
 donated step; lazy against dense Adam on a large embedding table.
-``--accelerator-rows`` runs only the rows issue 15 asks of a GPU (see benchmarks/gpu.sh).
+``--accelerator-rows`` runs only the rows issue 15 asks of a GPU (see benchmarks/gpu.sh); ``--default-path``
+only the default path's rows (about 3 minutes).
 """
 
 from __future__ import annotations
@@ -125,6 +129,66 @@ def bench_dense(count, shape, n_steps, container="list", grads_from="full", with
     return _time(runners, n_steps)
 
 
+def _paired(runners, rounds, burst):
+    """Per runner, its mean step time in each of `rounds` rounds: a burst of `burst` steps of each runner per round,
+    waited for at its end (a training loop waits for its results now and then, not after every step).
+
+    Adjacent bursts see the same machine: a shared machine's slow spells,
+    which move a burst's time by 10-20% from one burst to the next, hit every
+    runner of a round alike, so the per-round ratios are the steady figure.
+    Each round starts one runner later than the last: the first burst of a
+    round runs up to 30% faster than the others (for optax as for varstate),
+    and each runner takes that place as often. `runners` maps a name to
+    (step, carry); `carry = step(carry)` is one step.
+    """
+    carries = {name: jax.block_until_ready(step(step(carry))) for name, (step, carry) in runners.items()}
+    times = {name: [] for name in runners}
+    order = list(runners)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            step, carry = runners[name][0], carries[name]
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                carry = step(carry)
+            carries[name] = jax.block_until_ready(carry)
+            times[name].append((time.perf_counter() - t0) / burst)
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def default_rows(rounds=48, burst=5):
+    """Issue 25's default path: Adam as ``Adam(lr).init(params)`` makes it (no ``fused=``) against optax.adam,
+    both jitted with donation, in the four setups of each size, all eight runners stepped in every round."""
+    print(f"default path: Adam(1e-3).init(params) against optax.adam, jitted with donation; {rounds} rounds, "
+          f"{burst} steps of each of the 8 runners of a size per round; median step ms; ours/adam: median of the "
+          "per-round ratios; target <= 1.0 each, varstate's slowest setup within 10% of its fastest")
+    print(f"{'setup':<34}{'varstate':>10}{'optax.adam':>12}{'ours/adam':>11}")
+    for count, shape in [(1000, (16, 4)), (200, (256, 64))]:
+        runners, labels = {}, []
+        for container in ("list", "dict"):
+            for grads_from in ("full", "jit"):
+                arrange, grads = _setup(count, shape, container, grads_from)
+                opt = Adam(1e-3)
+                params = arrange([varstate.Variable(jnp.zeros(shape), name=f"d{i}") for i in range(count)])
+                tx = optax.adam(1e-3)
+                step = _optax_step(tx)
+                arrays = arrange([jnp.zeros(shape) for _ in range(count)])
+                label = (container, grads_from)
+                labels.append(label)
+                runners["varstate", label] = (
+                    lambda c, opt=opt, grads=grads: opt.apply_gradients(grads, *c), (params, opt.init(params)))
+                runners["optax", label] = (lambda c, step=step, grads=grads: step(*c, grads), (arrays, tx.init(arrays)))
+        t = _paired(runners, rounds, burst)
+        ours = {label: np.median(t["varstate", label]) for label in labels}
+        ref = {label: np.median(t["optax", label]) for label in labels}
+        for label in labels:
+            ratio = np.median(t["varstate", label] / t["optax", label])
+            print(f"{f'{count} x {shape[0]}x{shape[1]}, {label[0]}, grads {label[1]}':<34}{ours[label] * 1e3:>10.2f}"
+                  f"{ref[label] * 1e3:>12.2f}{ratio:>11.3f}")
+        print(f"    slowest / fastest setup: varstate {max(ours.values()) / min(ours.values()):.3f}, "
+              f"optax.adam {max(ref.values()) / min(ref.values()):.3f}", flush=True)
+    print()
+
+
 def bench_fresh_model(count, shape):
     """Time of the first step of a freshly built model identical to one already stepped.
 
@@ -226,7 +290,11 @@ def accelerator_rows():
 def main():
     if sys.argv[1:] == ["--accelerator-rows"]:
         return accelerator_rows()
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; min over {REPEATS} interleaved repeats")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
+    default_rows()
+    if sys.argv[1:] == ["--default-path"]:
+        return None
+    print(f"min over {REPEATS} interleaved repeats")
     print("each cell: wall ms / CPU ms; ratios of wall times (of CPU times); < 1: varstate is faster")
     print("varstate: Adam(...).init(params); fused: .init(params, fused=True) (slots of params up to "
           f"{_packed.FUSE_MAX_SIZE} elements packed)\n")

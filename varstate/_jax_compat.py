@@ -9,6 +9,8 @@ what is missing, instead of deep in a traced function.
   public `jax.Array`'s subclasses) and whether one was donated.
 - `in_transformation()`: whether JAX is tracing, from the public trace-state
   API of `jax.extend.core`.
+- `container_registry()`: a pytree registry of Python's containers alone, in
+  which a Variable is a leaf (the optimizer step's flatten in C).
 - `current_trace()` and `made_under(tracer, trace)`: the trace ancestry that
   `custom_gradient` uses to tell values read from outside the decorated
   function from those made inside it. The ancestry links are JAX internals
@@ -41,6 +43,21 @@ def is_deleted_array(x: Any) -> bool:
     if ArrayImpl is not None:
         return type(x) is ArrayImpl and x.is_deleted()
     return isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+
+
+def container_registry() -> Any:
+    """A new pytree registry that knows Python's containers alone (None, tuples, named tuples, lists, dicts); None
+    if this JAX cannot make one.
+
+    Every registered class is a leaf there until registered in it too: a Variable flattens as itself, in C, where
+    the default registry calls its Python flatten function once per Variable. `jax.tree_util.default_registry` is
+    public; making another instance of its class is not documented, hence here.
+    """
+    try:
+        return type(jax.tree_util.default_registry)(
+            enable_none=True, enable_tuple=True, enable_namedtuple=True, enable_list=True, enable_dict=True)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _eval_trace_state() -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 import jax
@@ -111,6 +112,20 @@ def _from_parts(value: Any, handle: ResourceHandle) -> Variable:
     v._value = value
     v._handle = handle
     return v
+
+
+def version(value: Any, handle: ResourceHandle) -> Variable:
+    """A version of the variable of `handle` holding `value`, unchecked and uncopied (a jitted step's output)."""
+    return _from_parts(value, handle)
+
+
+def versions(values: list, handles: list) -> list[Variable]:
+    """One new version per (value, handle): a jitted step's thousands of outputs, without a call per Variable."""
+    out = list(map(_new, repeat(Variable, len(handles))))
+    for v, value, handle in zip(out, values, handles, strict=True):
+        v._value = value
+        v._handle = handle
+    return out
 
 
 def _new_handle(attributes: dict[str, Any]) -> ResourceHandle:

@@ -127,11 +127,20 @@ class PackedTree:
         return f"PackedTree({sum(m is not None for m in self.layout.marks)} packed, {len(self.loose)} unpacked)"
 
 
+def flatten_packed(t: PackedTree) -> tuple[tuple, Layout]:
+    """The tree's pytree children and static data (also registered by the step's container registry)."""
+    return t.loose, t.layout
+
+
+def unflatten_packed(layout: Layout, loose: Any) -> PackedTree:
+    return PackedTree(layout, loose)
+
+
 jax.tree_util.register_pytree_with_keys(
     PackedTree,
     lambda t: (tuple((jax.tree_util.SequenceKey(i), x) for i, x in enumerate(t.loose)), t.layout),
-    lambda layout, loose: PackedTree(layout, loose),
-    lambda t: (t.loose, t.layout),
+    unflatten_packed,
+    flatten_packed,
 )
 
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import jax
 
-from varstate._variable import Variable
+from varstate._jax_compat import container_registry
+from varstate._variable import Variable, version, versions
 from varstate.optimizers._core import _packed
 
 
@@ -43,19 +44,64 @@ class OptimizerState:
     (True, 'bias/m', [(5,)])
     """
 
-    _stored: dict[str, Any]
-    _views: Any  # like _stored once built, None before (set through object.__setattr__, which mypy cannot follow)
-    non_slots: dict[str, Variable]
-    packed: dict[str, tuple]
-    __slots__ = ("_stored", "_views", "non_slots", "packed")
+    # Set through object.__setattr__, which mypy cannot follow. _parts: (stored slots, non_slots, packed), made
+    # from _flat on first read when a step returned this state; _flat: (the step's `LeafLayout`, its values) or
+    # None; _views: like the stored slots once built (a fused state's), None before.
+    _parts: tuple | None
+    _flat: tuple | None
+    _views: Any
+    __slots__ = ("_flat", "_parts", "_views")
 
     def __init__(self, slots: dict[str, Any], non_slots: dict[str, Variable],
                  packed: dict[str, tuple] | None = None) -> None:
         # `slots` may hold `_packed.PackedSlot` markers where `packed` holds the values (the internal layout).
-        object.__setattr__(self, "_stored", slots)
-        object.__setattr__(self, "non_slots", non_slots)
-        object.__setattr__(self, "packed", packed or {})
+        object.__setattr__(self, "_parts", (slots, non_slots, packed or {}))
+        object.__setattr__(self, "_flat", None)
         object.__setattr__(self, "_views", None)
+
+    @classmethod
+    def _from_flat(cls, layout: LeafLayout, values: list) -> OptimizerState:
+        """The state a step returned, as its flat values: its Variables are made when first read.
+
+        A training loop hands the state straight back to the next step, which
+        then takes `values` as they are: no Variable per slot is made, read
+        or checked on the way (`_step._recall`).
+        """
+        state = object.__new__(cls)
+        object.__setattr__(state, "_parts", None)
+        object.__setattr__(state, "_flat", (layout, values))
+        object.__setattr__(state, "_views", None)
+        return state
+
+    def _made(self) -> tuple:
+        parts = self._parts
+        if parts is None:
+            layout, values = self._flat  # type: ignore[misc]  # one of the two is always set
+            parts = layout.rebuild(values)
+            object.__setattr__(self, "_parts", parts)
+        return parts
+
+    @property
+    def _stored(self) -> dict[str, Any]:
+        return self._made()[0]
+
+    @property
+    def non_slots(self) -> dict[str, Variable]:
+        """The non-slot Variables by name (Adam's ``beta1_power``, Keras's ``iteration``...)."""
+        return self._made()[1]
+
+    @property
+    def packed(self) -> dict[str, tuple]:
+        """The buffers of a fused state (``{slot name: tuple of 1-D buffers}``), empty when unfused."""
+        return self._made()[2]
+
+    def _non_slot_values(self) -> list:
+        """The non-slots' values in `non_slots`' order (None for one that is not a Variable), read from a step's
+        flat values when this state is one's (no Variable made)."""
+        flat = self._flat
+        if flat is not None and flat[0].non_slots is not None:
+            return flat[1][slice(*flat[0].non_slots)]
+        return [v._value if isinstance(v, Variable) else None for v in self.non_slots.values()]
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"OptimizerState is immutable: use state.replace({name}=...) for a new one.")
@@ -168,10 +214,83 @@ class OptimizerState:
             ) from None
 
 
+def flatten_state(s: OptimizerState) -> tuple[tuple, None]:
+    """The state's pytree children and static data."""
+    return s._made(), None
+
+
+def unflatten_state(_: None, children: Any) -> OptimizerState:
+    return OptimizerState(*children)
+
+
 _KEYS = (jax.tree_util.GetAttrKey("slots"), jax.tree_util.GetAttrKey("non_slots"), jax.tree_util.GetAttrKey("packed"))
 jax.tree_util.register_pytree_with_keys(
     OptimizerState,
     lambda s: (tuple(zip(_KEYS, (s._stored, s.non_slots, s.packed), strict=True)), None),
-    lambda _, children: OptimizerState(*children),
-    lambda s: ((s._stored, s.non_slots, s.packed), None),
+    unflatten_state,
+    flatten_state,
 )
+
+
+# A registry of Python's containers and the state's two classes, registered as in the default one: the same
+# structure and leaf order, except that a Variable is a leaf itself here (its value, there).
+CONTAINERS = container_registry()
+if CONTAINERS is not None:
+    CONTAINERS.register_node(OptimizerState, flatten_state, unflatten_state)
+    CONTAINERS.register_node(_packed.PackedTree, _packed.flatten_packed, _packed.unflatten_packed)
+
+
+class LeafLayout:
+    """A tree's layout as `CONTAINERS` flattens it, for a step to read and rebuild the tree without a Python call
+    per Variable.
+
+    `c_def` is the containers' treedef; `marks` holds, per leaf, its
+    Variable's handle or, for another leaf, its type: a tree with this
+    `c_def` and these marks has one default treedef (identities included),
+    and `rebuild` gives what that treedef's `unflatten` would. `non_slots`:
+    for a state's parts, the range of its non-slots' values among the leaves
+    (each a Variable), else None.
+    """
+
+    __slots__ = ("all_vars", "c_def", "handles", "marks", "non_slots")
+
+    def __init__(self, c_def: Any, leaves: list, non_slots: tuple[int, int] | None = None) -> None:
+        self.c_def, self.non_slots = c_def, non_slots
+        self.handles = [x._handle if type(x) is Variable else None for x in leaves]
+        self.marks = self.marks_of(leaves)
+        self.all_vars = None not in self.handles
+
+    @staticmethod
+    def of(tree: Any, non_slots: Any = None) -> LeafLayout | None:
+        """`tree`'s layout; None when `CONTAINERS` cannot stand in for the default registry on it (it holds a class
+        registered there alone: an AutoCastVariable, IndexedSlices...; a leaf here) or there is no such registry.
+        `non_slots`: the state's non-slots dict, when `tree` is a state's parts."""
+        if CONTAINERS is None:
+            return None
+        leaves, c_def = CONTAINERS.flatten(tree)
+        default = jax.tree_util.tree_flatten(tree)[0]
+        if len(default) != len(leaves) or not all(
+                (x._value if type(x) is Variable else x) is y for x, y in zip(leaves, default, strict=True)):
+            return None
+        where = None
+        if non_slots is not None and all(type(v) is Variable for v in non_slots.values()):
+            start = len(CONTAINERS.flatten(tree[0])[0])
+            where = (start, start + len(non_slots))
+        return LeafLayout(c_def, leaves, where)
+
+    @staticmethod
+    def marks_of(leaves: list) -> list:
+        return [x._handle if type(x) is Variable else type(x) for x in leaves]
+
+    def values(self, leaves: list) -> list:
+        """The default registry's leaves for `CONTAINERS`' `leaves` of a tree with this layout."""
+        if self.all_vars:
+            return [x._value for x in leaves]
+        return [x._value if type(x) is Variable else x for x in leaves]
+
+    def rebuild(self, values: list) -> Any:
+        """The tree holding `values`: a new version of each Variable, with its identity, in the same containers."""
+        if self.all_vars:
+            return self.c_def.unflatten(versions(values, self.handles))
+        return self.c_def.unflatten([x if h is None else version(x, h)
+                                     for x, h in zip(values, self.handles, strict=True)])

@@ -9,10 +9,21 @@ The step is jitted over flat lists of arrays, not over Variables: a
 Variable's treedef holds its identity (the `ResourceHandle`), so a jit over
 Variables would trace again for every freshly built model. Here:
 
-- per call, the host flattens grads, (params, state) and the rest with
-  jax's C++ flatten, finds the step's plan by those treedefs (one dict
-  lookup), calls the jit on the leaves, and unflattens the outputs with the
-  caller's own treedef: the new versions keep the caller's identities;
+- per call, the host flattens grads and the rest with jax's C++ flatten,
+  and params with a registry of Python's containers alone (`CONTAINERS`,
+  `_state`), in which a Variable is a leaf: no Python call per Variable. A
+  structure seen before (`_Seen`) is found by one dict lookup and one
+  comparison of a list (per leaf, its Variable's handle or its type); its
+  values are read by a list comprehension, its new versions made without a
+  call per Variable and put into the caller's containers by the containers'
+  treedef. The new state is returned as its flat values
+  (`OptimizerState._from_flat`: its Variables are made when it is read), and
+  the next step takes a state of that layout as it is: no slot Variable is
+  made, read or checked on the way. Only a structure not seen before (or
+  one holding other pytree classes, or a step inside `custom_gradient`)
+  takes jax's default flatten, finds or makes the step's plan by those
+  treedefs and unflattens with the caller's own treedef. Either way the new
+  versions keep the caller's identities;
 - a plan's jit key is the optimizer plus an identity-free signature of the
   structure (the treedef with Variables as leaves, and per Variable its
   trainability, slot link and tie, as positions): a freshly built model with
@@ -44,10 +55,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from varstate import _variable
 from varstate._global_step import assert_global_step
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import ArrayImpl, Tracer, is_deleted_array
-from varstate._variable import Variable, donated_error
+from varstate._variable import Variable, donated_error, version
 from varstate.optimizers._core._matching import (
     _check_sparse_indices,
     _explicit_sharding,
@@ -61,7 +73,7 @@ from varstate.optimizers._core._matching import (
 )
 from varstate.optimizers._core._packed import PackedSlot, PackedTree, fused_update
 from varstate.optimizers._core._slots import StateMismatchError, refuse_params_became_arrays
-from varstate.optimizers._core._state import OptimizerState
+from varstate.optimizers._core._state import CONTAINERS, LeafLayout, OptimizerState
 
 _flatten = jax.tree_util.tree_flatten
 
@@ -107,6 +119,93 @@ _PLANS: dict = {}  # (opt, grads def, (params, state, global step) def, (step, e
 _KEYS: dict = {}
 _MAX_PLANS = 256
 _trace = threading.local()  # the treedefs of the call being traced (identity stays out of jit's key)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Seen:
+    """A (params, state, global step) structure a step ran before: its plan, its default treedef (for a trace),
+    and how `CONTAINERS` sees its params and its state's parts (`LeafLayout`s) and its global step's handle.
+
+    Params with this layout, a state of it (one this structure's step returned
+    has it by identity, any other is compared) and this global step have the
+    default treedef `ps_def`, Variables' identities included: they take `plan`
+    without a signature, and the outputs are rebuilt as `ps_def.unflatten`
+    would, the state as its flat values (`OptimizerState._from_flat`).
+    """
+
+    plan: _Plan
+    ps_def: Any
+    params: LeafLayout
+    state: LeafLayout
+    global_step: Any  # its handle, or None without one
+    n_params: int  # leaves of params, then of the state
+
+    def leaves(self, p_marks: list, p_leaves: list, state: OptimizerState, global_step: Any) -> list | None:
+        """The default registry's leaves of (params, state, global step) when they have this structure, else None.
+        `p_marks`, `p_leaves`: the params' as `CONTAINERS` flattens them."""
+        if p_marks != self.params.marks or (
+                self.global_step is not (None if global_step is None else global_step._handle)):
+            return None
+        flat = state._flat
+        if flat is not None and flat[0] is self.state:
+            s_values = flat[1]
+        else:
+            s_leaves, s_def = CONTAINERS.flatten(state._made())
+            if s_def != self.state.c_def or LeafLayout.marks_of(s_leaves) != self.state.marks:
+                return None
+            s_values = self.state.values(s_leaves)
+        leaves = self.params.values(p_leaves)
+        leaves.extend(s_values)
+        if global_step is not None:
+            leaves.append(global_step._value)
+        return leaves
+
+    def rebuild(self, values: list) -> tuple:
+        """The step's outputs in the caller's containers, each Variable's new version with its identity."""
+        n, m = self.n_params, self.n_params + len(self.state.marks)
+        return (self.params.rebuild(values[:n]), OptimizerState._from_flat(self.state, values[n:m]),
+                None if self.global_step is None else version(values[m], self.global_step))
+
+
+# Structures by (optimizer, grads def, other def, use_global, params' containers def): a few `_Seen` each (models
+# of one layout differ by their Variables' identities alone); an empty tuple where none can be recognised.
+# Bounded as _PLANS.
+_SEEN: dict = {}
+
+
+def _recall(key: tuple, params: Any, state: Any, global_step: Any) -> tuple | None:
+    """(the `_Seen` of this structure, its default leaves) when a step ran on it before; () when it cannot be
+    recognised (`_remember` found so; a read inside `custom_gradient`, which goes by the hook); else None."""
+    if (CONTAINERS is None or _variable._read_hook is not None or type(state) is not OptimizerState
+            or (global_step is not None and type(global_step) is not Variable)):
+        return ()
+    p_leaves, p_def = CONTAINERS.flatten(params)
+    candidates = _SEEN.get((*key, p_def))
+    if not candidates:
+        return None if candidates is None else ()
+    p_marks = LeafLayout.marks_of(p_leaves)
+    for seen in candidates:
+        leaves = seen.leaves(p_marks, p_leaves, state, global_step)
+        if leaves is not None:
+            return seen, leaves
+    return None
+
+
+def _remember(key: tuple, params: Any, state: OptimizerState, global_step: Any, plan: _Plan,
+              ps_def: Any) -> _Seen | None:
+    """This structure as a `_Seen`, kept for the next calls; None where `CONTAINERS` cannot stand in for the
+    default registry (`LeafLayout.of`)."""
+    p_layout = LeafLayout.of(params)
+    parts = state._made()
+    s_layout = None if p_layout is None else LeafLayout.of(parts, parts[1])
+    key = (*key, CONTAINERS.flatten(params)[1])
+    seen = None if p_layout is None or s_layout is None else _Seen(
+        plan, ps_def, p_layout, s_layout, None if global_step is None else global_step._handle, len(p_layout.marks))
+    if len(_SEEN) >= _MAX_PLANS:
+        del _SEEN[next(iter(_SEEN))]
+    # The newest first: models of one layout may take turns.
+    _SEEN[key] = () if seen is None else (seen, *_SEEN.get(key, ())[:3])
+    return seen
 
 
 def _intern(key: _Static) -> _Static:
@@ -163,26 +262,33 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
         step is None or (isinstance(step, Variable) and step._handle is global_step._handle))
     other = (None if use_global else step, extra or {})
     g_leaves, g_def = _flatten(grads)
-    ps_leaves, ps_def = _flatten((params, state, global_step))
     o_leaves, o_def = _flatten(other)
-    pkey = (opt, g_def, ps_def, o_def, use_global)
-    # Unflattening the outputs allocates one Python object per Variable (3,000 for Adam over 1,000 params); with
-    # the collector on, that is several collections per step, each also running jax's collection hook. Deferred
-    # to the end of the step, it is one.
+    key = (opt, g_def, o_def, use_global)
+    # Rebuilding the outputs allocates a Python object per param Variable (per Variable on the slow path: 3,000
+    # for Adam over 1,000 params); with the collector on, that is collections within the step, each also running
+    # jax's collection hook. Deferred to the end of the step, it is one.
     collect = gc.isenabled()
     gc.disable()
     try:
-        plan = _PLANS.get(pkey)
-        if plan is None:
-            placed = _state_on_params(params, state, global_step)
-            if placed is not None:
-                state, global_step = placed
-                ps_leaves = _flatten((params, state, global_step))[0]
-            ps_leaves = _commit(ps_leaves, g_leaves + o_leaves)
-            plan = _new_plan(opt, grads, params, state, global_step, other, use_global)
-            if len(_PLANS) >= _MAX_PLANS:
-                del _PLANS[next(iter(_PLANS))]
-            _PLANS[pkey] = plan
+        recalled = _recall(key, params, state, global_step)
+        if recalled:
+            seen, ps_leaves = recalled
+            plan, ps_def = seen.plan, seen.ps_def
+        else:
+            ps_leaves, ps_def = _flatten((params, state, global_step))
+            pkey = (opt, g_def, ps_def, o_def, use_global)
+            plan = _PLANS.get(pkey)
+            if plan is None:
+                placed = _state_on_params(params, state, global_step)
+                if placed is not None:
+                    state, global_step = placed
+                    ps_leaves = _flatten((params, state, global_step))[0]
+                ps_leaves = _commit(ps_leaves, g_leaves + o_leaves)
+                plan = _new_plan(opt, grads, params, state, global_step, other, use_global)
+                if len(_PLANS) >= _MAX_PLANS:
+                    del _PLANS[next(iter(_PLANS))]
+                _PLANS[pkey] = plan
+            seen = None if recalled == () else _remember(key, params, state, global_step, plan, ps_def)
         if plan.sparse:
             _check_sparse_indices(grads, params)
         # With one device nothing can drift, and jit keeps outputs uncommitted.
@@ -190,9 +296,10 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
             ps_leaves = _commit(ps_leaves, g_leaves + o_leaves)  # new param arrays, a structure seen before
         _trace.defs = (g_def, ps_def, o_def)
         try:
-            out = ps_def.unflatten(_jitted_update(plan.key, g_leaves, ps_leaves, o_leaves))
+            new = _jitted_update(plan.key, ps_leaves, g_leaves, o_leaves)
         finally:
             _trace.defs = None
+        out = ps_def.unflatten(new) if seen is None else seen.rebuild(new)
         return out if global_step is not None else out[:2]
     except StateMismatchError:
         raise  # `apply_gradients` creates the missing state and steps again
@@ -212,7 +319,7 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
             gc.enable()
 
 
-def _flat_step(key: _Static, g_leaves: list, ps_leaves: list, o_leaves: list) -> list:
+def _flat_step(key: _Static, ps_leaves: list, g_leaves: list, o_leaves: list) -> list:
     g_def, ps_def, o_def = _trace.defs
     opt, _, placement, use_global = key.value
     grads = g_def.unflatten(g_leaves)
@@ -226,7 +333,11 @@ def _flat_step(key: _Static, g_leaves: list, ps_leaves: list, o_leaves: list) ->
     return _flatten((new_params, new_state, global_step))[0]
 
 
-_jitted_update = jax.jit(_flat_step, static_argnums=(0,), donate_argnums=(2,))
+# The state before the gradients: XLA's CPU scheduler then runs a param's two slot updates one after the other,
+# each reading its gradient while the other's read left it in cache (as optax's step), where gradients first had
+# every first slot updated before any second one: a gradient read twice from memory, 10% of the step's time on
+# 200 params of 256x64 (benchmarks/optimizers.py).
+_jitted_update = jax.jit(_flat_step, static_argnums=(0,), donate_argnums=(1,))
 
 
 def _check_layout(opt: Any, given: tuple, returned: Any) -> None:
@@ -253,7 +364,7 @@ def lower(opt: Any, grads: Any, params: Any, state: OptimizerState, step: Any = 
     plan = _new_plan(opt, grads, params, state, None, other, False)
     _trace.defs = tuple(d for _, d in flat)
     try:
-        return _jitted_update.lower(plan.key, *(leaves for leaves, _ in flat))
+        return _jitted_update.lower(plan.key, flat[1][0], flat[0][0], flat[2][0])
     finally:
         _trace.defs = None
 
@@ -430,7 +541,7 @@ def _place(plan: _Plan, leaves: list, state: OptimizerState) -> bool:
     """Keys `plan` by the shardings of the param values `leaves` and of the non-slots; True if they changed and a
     param's value is uncommitted (made outside jit: `_commit` then decides). Called with several devices only."""
     # Concrete arrays only: a tracer (a step inside a caller's jit) has no sharding to key by.
-    values = [v._value if isinstance(v, Variable) else None for v in state.non_slots.values()]
+    values = state._non_slot_values()
     shardings = tuple([x.sharding if type(x) is ArrayImpl else None for x in leaves])
     non_slots = tuple([x.sharding if type(x) is ArrayImpl else None for x in values])
     opt, sig, last, use_global = plan.key.value
