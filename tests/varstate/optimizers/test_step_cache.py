@@ -12,6 +12,7 @@ structure already seen, with the same message.
 """
 
 import collections
+import copy
 import re
 from typing import NamedTuple
 
@@ -192,3 +193,27 @@ def test_a_state_of_other_variables_is_refused_on_a_seen_structure():
     grown = {**old, "head": Variable(jnp.zeros(4), name="old/head")}  # a grown model: only its new param lacks slots
     grown, state = opt.apply_gradients({**_grads(2), "head": jnp.ones(4)}, grown, state)
     np.testing.assert_array_equal(state.get_slot(grown["head"], "m").value, np.full(4, 1 - np.float32(0.9)))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_copies_of_a_stepped_state(fused):
+    # copy.copy is the state itself (it is immutable); a deep copy holds copied values under the same identities,
+    # so it steps like the original and leaves the original's buffers alive (a step donates the copy's).
+    params = {"w": varstate.Variable(jnp.ones(2), name="w"), "b": varstate.Variable(jnp.ones(3), name="b")}
+    opt = Adam(0.1)
+    grads = {"w": jnp.full(2, 0.5), "b": jnp.full(3, -1.0)}
+    params, state = opt.apply_gradients(grads, params, opt.init(params, fused=fused))
+    assert copy.copy(state) is state
+    twin = copy.deepcopy(state)
+    assert twin.fused == fused and twin.get_slot_names() == state.get_slot_names()
+    for name in ("m", "v"):
+        for key in params:
+            a, b = twin.get_slot(params[key], name), state.get_slot(params[key], name)
+            assert a.resource_id == b.resource_id and a.name == b.name
+            np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    m = np.asarray(state.get_slot(params["w"], "m").value)
+    from_twin, _ = opt.apply_gradients(grads, copy.deepcopy(params), twin)
+    # The original is still alive: the twin's buffers were the ones donated.
+    np.testing.assert_array_equal(np.asarray(state.get_slot(params["w"], "m").value), m)
+    from_state, _ = opt.apply_gradients(grads, params, state)
+    np.testing.assert_array_equal(np.asarray(from_twin["b"].value), np.asarray(from_state["b"].value))

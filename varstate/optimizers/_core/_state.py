@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jax
@@ -102,6 +103,14 @@ class OptimizerState:
         if flat is not None and flat[0].non_slots is not None:
             return flat[1][slice(*flat[0].non_slots)]
         return [v._value if isinstance(v, Variable) else None for v in self.non_slots.values()]
+
+    def __copy__(self) -> OptimizerState:
+        return self  # immutable: its copy is the same state, as for a tuple
+
+    def __deepcopy__(self, memo: dict) -> OptimizerState:
+        # Values copied, identities kept (as a Variable's deep copy), so each slot stays linked to its primary.
+        slots, non_slots, packed = self._made()
+        return OptimizerState(copy.deepcopy(slots, memo), copy.deepcopy(non_slots, memo), copy.deepcopy(packed, memo))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"OptimizerState is immutable: use state.replace({name}=...) for a new one.")
