@@ -185,9 +185,6 @@ class _EnumOf(LazyTable):
     def __contains__(self, dtype: object) -> bool:
         return tf_name(dtype) is not None or super().__contains__(dtype)  # type: ignore[arg-type]  # tf_name: None for a non-dtype
 
-    def get(self, dtype, default=None):
-        return self[dtype] if dtype in self else default
-
 
 ENUM_OF: dict[np.dtype, types_pb2.DataType] = _EnumOf({v: k for k, v in dict.items(BY_ENUM)},
                                                       lambda ml: {v: k for k, v in _ml_by_enum(ml).items()})

@@ -141,6 +141,15 @@ class Optimizer:
     def _slot_inits(self) -> dict[str, float]:
         return {}
 
+    def _slot_layout(self, name: str, p: Any) -> tuple:
+        """(shape, dtype, the param axis each slot dimension follows or None) of the slot `name` of param `p`.
+
+        The param's own shape and dtype (None: split as the param is), as TF's
+        slots are; an optimizer with slots shaped otherwise (Adafactor's row and
+        column means) overrides it, for slot creation and every shape check.
+        """
+        return (*param_want(p), None)
+
     def _non_slot_inits(self) -> dict[str, float]:
         return {}
 
@@ -243,11 +252,12 @@ class Optimizer:
                 elif owners[i] != i:  # a shared variable (tied weights): one slot, at every place
                     made.append(made[owners[i]])
                 else:
-                    kept = existing.get(slot_name, i, p)
+                    layout = self._slot_layout(slot_name, p)
+                    kept = existing.get(slot_name, i, p, layout[:2])
                     if kept is None and wanted[i]:
                         if not reinitialize_slots:
                             existing.refuse_foreign(slot_name, i, p, leaves)
-                        kept = filled_slot(p, slot_name, fill, f"{type(self).__name__}.init")
+                        kept = filled_slot(p, slot_name, fill, f"{type(self).__name__}.init", layout)
                     made.append(kept)  # None: not stepped yet, so no slot (TF makes none either)
             slots[slot_name] = p_def.unflatten(made)
         if state is not None:
@@ -345,7 +355,7 @@ class Optimizer:
             # Without a gradient now, a param without slots (init's stepped=False) keeps none.
             if (isinstance(p, Variable) and not p.trainable) or (i not in work and slot is None):
                 return None
-            return param_want(p)
+            return self._slot_layout(n, p)[:2]
 
         slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
         check_non_slots(state, self._non_slot_inits())

@@ -4,14 +4,11 @@ A slot (TF's `slot_creator`) is a non-trainable Variable named
 ``<primary name>/<slot name>``, in the primary's registry, with its shape,
 dtype and sharding, linked to it by resource id so that checkpoints file it
 under the primary. An optimizer whose slots are shaped otherwise (Adafactor's
-row and column accumulators) runs its init and step under `shaped_slots`.
+row and column accumulators) says so by `Optimizer._slot_layout`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -65,12 +62,14 @@ def non_slot_home(params: Any) -> tuple[Any, Any]:
     return first.handle.registry, sharding if kept else None
 
 
-def filled_slot(p: Any, slot_name: str, fill: float, verb: str = "Optimizer.init") -> Any:
+def filled_slot(p: Any, slot_name: str, fill: float, verb: str = "Optimizer.init",
+                layout: tuple | None = None) -> Any:
+    """A new slot of `p` filled with `fill`: shaped as `p`, or as `layout` (`Optimizer._slot_layout`) says."""
     value = array_of(p)
     sharding = getattr(value, "sharding", None)
     if isinstance(value, jax.ShapeDtypeStruct):
         raise ValueError(f"{verb}: {p.name!r} is uninitialized; initialize or restore it before creating slots.")
-    shape, dtype, axes = _slot_layout(p, slot_name)
+    shape, dtype, axes = (*param_want(p), None) if layout is None else layout
     if axes is not None and isinstance(sharding, jax.sharding.NamedSharding):
         # each slot dimension is split as the param dimension it follows is (Adafactor's r: the rows)
         spec = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
@@ -108,45 +107,6 @@ def param_want(p: Any) -> tuple:
     return tuple(v.shape), v.dtype
 
 
-# (slot name, param shape, param dtype) -> (the slot's shape, its dtype, the param axis each of its dimensions
-# follows, for its sharding)
-SlotShape = Callable[[str, tuple[int, ...], Any], tuple[tuple[int, ...], Any, tuple[int, ...]]]
-_SHAPES: contextvars.ContextVar[SlotShape | None] = contextvars.ContextVar("varstate_slot_shapes", default=None)
-
-
-@contextlib.contextmanager
-def shaped_slots(rule: SlotShape) -> Iterator[None]:
-    """Within it, a slot's shape and dtype are ``rule(slot name, param shape, param dtype)``, not the param's.
-
-    For an optimizer whose slots are not shaped like their params (Adafactor's
-    row and column accumulators): it runs `Optimizer.init` and `update`
-    inside, so that slot creation (`filled_slot`), the check of a kept slot
-    (`Existing.get`) and the step's check (`check_slots`) all use its shapes.
-    """
-    token = _SHAPES.set(rule)
-    try:
-        yield
-    finally:
-        _SHAPES.reset(token)
-
-
-def _shaped(name: str, want: tuple) -> tuple:
-    rule = _SHAPES.get()
-    return want if rule is None else rule(name, tuple(want[0]), want[1])[:2]
-
-
-def _slot_layout(p: Any, name: str) -> tuple:
-    """(shape, dtype, the param axes its dimensions follow; None: the param's own) of the slot `name` of `p`."""
-    shape, dtype = param_want(p)
-    rule = _SHAPES.get()
-    return (shape, dtype, None) if rule is None else rule(name, shape, dtype)
-
-
-def slot_want(p: Any, name: str) -> tuple:
-    """What the slot `name` of `p` must be: (shape, dtype), the param's unless `shaped_slots` says otherwise."""
-    return _slot_layout(p, name)[:2]
-
-
 def became_array(where: str, slot_name: str, slot: Variable, label: str, p: Any) -> ValueError:
     """The error for a param that was a Variable when its state was made and is a plain array now."""
     v = array_of(p)
@@ -178,7 +138,7 @@ def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list,
     """{slot name: the slot leaves in params' order}, checked while the step is traced.
 
     Each param at leaf `i` with `want(i, name, slot found there)` not None (the
-    param's shape and dtype, which `shaped_slots` may map to the slot's) must
+    slot's shape and dtype: the param's, or as `Optimizer._slot_layout` says) must
     have, in every slot tree, the slot linked to it (a Variable param) or an
     array (a plain-array param) of that shape and dtype;
     otherwise `StateMismatchError` (apply_gradients then creates what is missing,
@@ -219,7 +179,7 @@ def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list,
                 raise became_array("apply_gradients", n, s, label, p)
             elif s is None:
                 raise mismatch(f"no slot {n!r} for {label}.")
-            why = fit_error(n, s, label, _shaped(n, need))
+            why = fit_error(n, s, label, need)
             if why is not None:
                 raise StateMismatchError(f"apply_gradients: {why}")
     return out
@@ -273,7 +233,7 @@ class Existing:
                 raise became_array("Optimizer.init", name, s, path_label(self.paths[i], p), p)
         if s is None:
             return None
-        why = fit_error(name, s, path_label(self.paths[i], p), slot_want(p, name) if want is None else want)
+        why = fit_error(name, s, path_label(self.paths[i], p), param_want(p) if want is None else want)
         if why is not None:
             raise ValueError(why[0].upper() + why[1:])
         return s

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate.optimizers._core._rows import as_dtype, divide
-from varstate.optimizers._core._slots import shaped_slots
-from varstate.optimizers._core._state import OptimizerState
+from varstate.optimizers._core._slots import param_want
 from varstate.optimizers.keras._base import const, densify, local_step, scatter_sub
 from varstate.optimizers.keras._lamb import _PerVariable
 
@@ -98,6 +97,13 @@ class Adafactor(_PerVariable):
     >>> (w,), state = opt.update([jnp.array([[1.0, 6.0], [7.0, 2.0]])], [w], state)
     >>> [round(x, 4) for x in w.value.ravel().tolist()]
     [0.7007, -0.0081, 1.2492, 3.4407]
+    >>> state = keras.Adafactor().init({"k": jnp.ones((4, 2, 3)), "b": jnp.ones(3)})
+    >>> state.slots["r"]["k"].shape, state.slots["c"]["k"].shape, state.slots["r"]["b"].dtype
+    ((4, 2), (4, 3), dtype('int32'))
+    >>> p = [jnp.array([1.0, 2.0, 3.0, 4.0])]
+    >>> p, state = keras.Adafactor(0.5).update([jnp.array([1.0, 6.0, 7.0, 2.0])], p, keras.Adafactor(0.5).init(p))
+    >>> [round(x, 4) for x in p[0].tolist()]
+    [-0.3693, 0.6307, 1.6307, 2.6307]
     """
 
     beta_2_decay: float = -0.8
@@ -118,57 +124,8 @@ class Adafactor(_PerVariable):
     def _slot_groups(self):
         return (("r", "c", "velocity"),)
 
-    def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
-             fused: bool | None = None, reinitialize_slots: bool = False) -> OptimizerState:
-        """Slots as `KerasOptimizer.init`, ``r`` and ``c`` shaped as Keras's (int32 scalars below 2-D).
-
-        Args:
-            params: as `Optimizer.init`'s.
-            state: as `Optimizer.init`'s; its ``iteration`` is kept.
-            stepped: as `Optimizer.init`'s.
-            fused: must not be True (the step reduces over whole variables).
-            reinitialize_slots: as `Optimizer.init`'s.
-
-        Returns:
-            The `OptimizerState`.
-
-        Raises:
-            ValueError: ``fused=True``, or as `Optimizer.init`.
-
-        >>> import jax.numpy as jnp
-        >>> from varstate.optimizers import keras
-        >>> state = keras.Adafactor().init({"k": jnp.ones((4, 2, 3)), "b": jnp.ones(3)})
-        >>> state.slots["r"]["k"].shape, state.slots["c"]["k"].shape, state.slots["r"]["b"].dtype
-        ((4, 2), (4, 3), dtype('int32'))
-        """
-        with shaped_slots(_slot_shape):
-            return super().init(params, state, stepped=stepped, fused=fused, reinitialize_slots=reinitialize_slots)
-
-    def update(
-        self, grads: Any, params: Any, state: OptimizerState, step: Any = None, **extra_args: Any
-    ) -> tuple[Any, OptimizerState]:
-        """One step as `KerasOptimizer.update`, with Keras's shapes of ``r`` and ``c``.
-
-        Args:
-            grads: as `Optimizer.update`'s.
-            params: as `Optimizer.update`'s.
-            state: as `Optimizer.update`'s (`init`).
-            step: as `KerasOptimizer.update`'s.
-            **extra_args: none is taken (TypeError naming the first).
-
-        Returns:
-            ``(params, state)``, ``iteration`` incremented.
-
-        >>> import jax.numpy as jnp
-        >>> from varstate.optimizers import keras
-        >>> opt = keras.Adafactor(0.5)
-        >>> p = [jnp.array([1.0, 2.0, 3.0, 4.0])]
-        >>> p, state = opt.update([jnp.array([1.0, 6.0, 7.0, 2.0])], p, opt.init(p))
-        >>> [round(x, 4) for x in p[0].tolist()]
-        [-0.3693, 0.6307, 1.6307, 2.6307]
-        """
-        with shaped_slots(_slot_shape):
-            return super().update(grads, params, state, step, **extra_args)
+    def _slot_layout(self, name: str, p: Any) -> tuple:
+        return _slot_shape(name, *param_want(p))
 
     # --- the step -------------------------------------------------------
     def _step_dense(self, lr, grad, var, slots, non_slots):
