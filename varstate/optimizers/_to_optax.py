@@ -14,6 +14,7 @@ from varstate._jax_compat import Tracer
 from varstate._registry import Registry
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers._core._matching import array_of, is_var, with_value
+from varstate.optimizers._core._slots import replicated_home
 from varstate.optimizers._core._state import OptimizerState
 
 if TYPE_CHECKING:
@@ -85,12 +86,7 @@ def _home(leaves: list) -> Any:
     when that is committed (so a jitted step's inputs are all committed from its first call, and its second call
     finds them as the first left them); None when it is not (jit's outputs then stay uncommitted too)."""
     first = next((x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, Tracer)), None)
-    if first is None or not first.committed:
-        return None
-    sharding = first.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return sharding if isinstance(sharding, jax.sharding.SingleDeviceSharding) else None
+    return None if first is None else replicated_home(first)
 
 
 def _placed(x: Any, home: Any) -> Any:

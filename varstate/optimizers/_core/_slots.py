@@ -53,13 +53,19 @@ def non_slot_home(params: Any) -> tuple[Any, Any]:
     first = next((p for p in jax.tree.leaves(params, is_leaf=is_var) if isinstance(p, Variable)), None)
     if first is None:
         return None, None
-    if uncommitted(first._value):
-        return first.handle.registry, None
-    sharding = first.sharding
+    return first.handle.registry, replicated_home(first._value)
+
+
+def replicated_home(value: Any) -> Any:
+    """Where values colocated with the array `value` go: its place, replicated over its mesh; None for an
+    uncommitted array (`uncommitted`) or another kind of sharding."""
+    if uncommitted(value):
+        return None
+    sharding = value.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     kept = isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding))
-    return first.handle.registry, sharding if kept else None
+    return sharding if kept else None
 
 
 def filled_slot(p: Any, slot_name: str, fill: float, verb: str = "Optimizer.init",
