@@ -95,8 +95,10 @@ def test_tf_checkpoint_round_trip(config, tmp_path):
     keras.save_optimizer_state(str(tmp_path / "ckpt"), opt, params, state)
     saved = keras.load_optimizer_state(str(tmp_path / "ckpt"), opt)
     committed = keras.load_optimizer_state(os.path.join(FX.OUT, "ours", config, "ckpt"), opt)
-    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(committed), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The committed file holds our jitted steps as run on the machine that wrote it: XLA vectorises Muon's
+    # matmuls by the CPU's vector width, so another CPU's steps differ within the same ulps as against Keras's.
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(saved), jax.tree.leaves(committed), strict=True)):
+        assert_within(a, b, f"saved vs committed leaf {i}", ulps)
     # the object graph Keras wrote (the same _variables/N, _trainable_variables/i), with Keras's variable names
     keys = checkpoint.read_checkpoint(str(tmp_path / "ckpt")).keys()
     assert sorted(keys) == sorted(checkpoint.read_checkpoint(os.path.join(FX.OUT, "keras3", config, "ckpt")).keys())
