@@ -12,8 +12,10 @@ mean step time of a burst of steps (the machine is noisy; CPU time is the steadi
 varstate is faster. Also: the first step of a freshly built model identical to one already stepped (the compiled
 step is reused) against a jit over Variables, which traces and compiles again; the compiled peak memory of one
 donated step; lazy against dense Adam on a large embedding table.
-``--accelerator-rows`` runs only the rows issue 15 asks of a GPU (see benchmarks/gpu.sh); ``--default-path``
-only the default path's rows (about 3 minutes).
+Last, the sweep row: 8 learning rates as one vmapped, jitted step over stacked runs (``traced``) against a
+Python loop over 8 optimizers, wall time and compiles. ``--accelerator-rows`` runs only the rows issue 15 asks
+of a GPU (see benchmarks/gpu.sh); ``--default-path`` only the default path's rows (about 3 minutes);
+``--sweep`` only the sweep row.
 """
 
 from __future__ import annotations
@@ -287,9 +289,81 @@ def accelerator_rows():
               f"{fused / ref:.3f} (target {target}), fused/flatten {fused / flat:.3f}")
 
 
+def bench_sweep(n_runs=8, count=16, shape=(64, 64), n_steps=50):
+    """A sweep of `n_runs` learning rates: one vmapped, jitted step over stacked runs (``Adam(traced(lr))``)
+    against a Python loop of `n_runs` optimizers ``Adam(lr)`` (``apply_gradients``), each with its own jitted
+    gradient. Returns {name: (wall seconds of the whole sweep, programs of the steps and gradients compiled)},
+    counted through jax's monitoring events."""
+    from varstate.optimizers import traced
+
+    names: list[str] = []
+    event = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+    def listen(e, _duration, *, fun_name="", **_kwargs):
+        if e == event:
+            names.append(fun_name)
+
+    def compiled(since):  # the steps' and gradients' programs (eager ops such as jnp.full compile too)
+        return sum(n in ("jit(sweep_step)", "jit(_flat_step)", "jit(loss)") for n in names[since:])
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    lrs = np.geomspace(1e-4, 1e-1, n_runs)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(32, shape[0])), jnp.float32)
+
+    def make_params():
+        return [jnp.full(shape, 0.01 * (i + 1), jnp.float32) for i in range(count)]
+
+    def loss(params):
+        h = x
+        for w in params:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h ** 2)
+
+    out = {}
+    try:
+        start, before = time.perf_counter(), len(names)
+        opt = Adam(traced(1e-3))
+        params = make_params()
+        stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_runs, *jnp.shape(a))), (params, opt.init(params)))
+        p_b, s_b = stacked[0], stacked[1].with_hyperparameters(learning_rate=lrs)
+
+        @jax.jit
+        @jax.vmap
+        def sweep_step(p, s):
+            return opt.update(jax.grad(loss)(p), p, s)
+
+        for _ in range(n_steps):
+            p_b, s_b = sweep_step(p_b, s_b)
+        jax.block_until_ready(p_b)
+        out["vmapped"] = (time.perf_counter() - start, compiled(before))
+        start, before = time.perf_counter(), len(names)
+        for lr in lrs:
+            opt_i = Adam(float(lr))
+            p = [varstate.Variable(w, name=f"w{i}") for i, w in enumerate(make_params())]
+            s = opt_i.init(p)
+            grad = jax.jit(jax.grad(loss))  # one per run, as a script looping over runs makes
+            for _ in range(n_steps):
+                p, s = opt_i.apply_gradients(grad([v.value for v in p]), p, s)
+            jax.block_until_ready(p[0].value)
+        out["loop"] = (time.perf_counter() - start, compiled(before))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return out
+
+
+def sweep_row():
+    t = bench_sweep()
+    (vm, vm_c), (lp, lp_c) = t["vmapped"], t["loop"]
+    print(f"sweep of 8 learning rates, Adam on 16 x 64x64 (tanh MLP), 50 steps each, compile included: vmapped "
+          f"{vm:.2f} s ({vm_c} compiled program), loop of 8 optimizers {lp:.2f} s ({lp_c} compiled: a step and a "
+          f"gradient each), loop/vmapped {lp / vm:.1f}x")
+
+
 def main():
     if sys.argv[1:] == ["--accelerator-rows"]:
         return accelerator_rows()
+    if sys.argv[1:] == ["--sweep"]:
+        return sweep_row()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     default_rows()
     if sys.argv[1:] == ["--default-path"]:
@@ -331,6 +405,8 @@ def main():
     print(f"\nAdam step on a 1,000,000 x 64 table, 1,024 rows touched: lazy {lazy_t[0] * 1e3:.3f} ms, "
           f"dense {dense_t[0] * 1e3:.1f} ms, dense/lazy {dense_t[0] / lazy_t[0]:.0f}x "
           f"(CPU {dense_t[1] / lazy_t[1]:.0f}x)")
+    print()
+    sweep_row()
 
 
 if __name__ == "__main__":

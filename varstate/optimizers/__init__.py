@@ -14,6 +14,7 @@ from varstate.optimizers._adagrad_da import AdagradDA
 from varstate.optimizers._adam import Adam
 from varstate.optimizers._core._base import Optimizer
 from varstate.optimizers._core._state import OptimizerState
+from varstate.optimizers._core._traced import traced
 from varstate.optimizers._ftrl import Ftrl
 from varstate.optimizers._gradient_descent import GradientDescent
 from varstate.optimizers._loss_scale import LossScaleOptimizer
@@ -38,4 +39,5 @@ __all__ = [
     "ProximalGradientDescent",
     "RMSProp",
     "from_optax",
+    "traced",
 ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from varstate._global_step import assert_global_step
@@ -17,6 +17,7 @@ from varstate.optimizers._proximal_math import (
     _float_options,
     _one_element_rows,
     _pair_div,
+    _shrinks,
     _two_prod,
     _two_sum,
 )
@@ -74,6 +75,7 @@ class AdagradDA(Optimizer):
     l2_regularization_strength: float = 0.0
 
     _hyper_names: ClassVar[tuple[str, ...]] = ("learning_rate",)
+    _step_floats: ClassVar[tuple[str, ...]] = ("l1_regularization_strength", "l2_regularization_strength")
 
     def __post_init__(self) -> None:
         if self.global_step is not None:
@@ -132,19 +134,20 @@ class AdagradDA(Optimizer):
         t = (h["global_step"] + 1).astype(jnp.float32).astype(dtype)  # TF: static_cast<float>(global_step)
         return lr, l1, l2, t
 
-    @property
-    def _shrink(self) -> bool:
-        return bool(np.float32(self.l1_regularization_strength) > 0)  # TF's `l1 > 0` on the float32 value
+    def _by_l1(self, with_l1, without):
+        """TF's two forms, chosen by its ``l1 > 0`` on the float32 value (per value where l1 is traced)."""
+        shrink = _shrinks(self.l1_regularization_strength)
+        if isinstance(shrink, bool):
+            return with_l1() if shrink else without()
+        return jax.tree.map(lambda a, b: jnp.where(shrink, a, b), with_l1(), without())
 
     def _dense(self, h, grad, var, slots, non_slots):
         lr, l1, l2, t = self._scalars(h, var.dtype)
         ga = slots["gradient_accumulator"] + grad
         gg = slots["gradient_squared_accumulator"] + grad * grad
         denom = l2 * (t * lr) + jnp.sqrt(gg)
-        if self._shrink:
-            new = (-lr * jnp.sign(ga)) * jnp.maximum(jnp.abs(ga) - t * l1, 0) / denom
-        else:
-            new = -(lr * ga) / denom
+        new = self._by_l1(lambda: (-lr * jnp.sign(ga)) * jnp.maximum(jnp.abs(ga) - t * l1, 0) / denom,
+                          lambda: -(lr * ga) / denom)
         # The new value does not read the old one; jit drops unread inputs, and a dropped input is not donated,
         # so the old buffer would outlive the step. The barrier reads it (and computes nothing).
         new, _ = lax.optimization_barrier((new, var))
@@ -158,19 +161,15 @@ class AdagradDA(Optimizer):
             # TF's loop over rows of several elements has its own form: g_acc / t, sqrt(gg_acc) / (t * lr).
             ga, gg = ga + values, gg + values * values
             denom = l2 + divide(jnp.sqrt(gg), t * lr)
-            if self._shrink:
-                rows = -jnp.sign(ga) * jnp.maximum(divide(jnp.abs(ga), t) - l1, 0) / denom
-            else:
-                rows = -divide(ga, t) / denom
+            rows = self._by_l1(lambda: -jnp.sign(ga) * jnp.maximum(divide(jnp.abs(ga), t) - l1, 0) / denom,
+                               lambda: -divide(ga, t) / denom)
         elif var.dtype == jnp.float32:
             rows, ga, gg = self._float32_scalar_rows(lr, l1, l2, t, values, ga, gg)
         else:  # TF's scalar loop in double; here in the variable's own precision
             ga, gg = ga + values, gg + values * values
             denom = (t * l2) * lr + jnp.sqrt(gg)
-            if self._shrink:
-                rows = (-jnp.sign(ga) * lr) * jnp.maximum(jnp.abs(ga) - t * l1, 0) / denom
-            else:
-                rows = (-ga * lr) / denom
+            rows = self._by_l1(lambda: (-jnp.sign(ga) * lr) * jnp.maximum(jnp.abs(ga) - t * l1, 0) / denom,
+                               lambda: (-ga * lr) / denom)
         new = {"gradient_accumulator": ga, "gradient_squared_accumulator": gg}
         new = {k: set_rows(slots[k], indices, v) for k, v in new.items()}
         return set_rows(var, indices, rows), new
@@ -193,7 +192,8 @@ class AdagradDA(Optimizer):
         b_lo = b_lo + a_lo * lr
         dh, dl = _two_sum(b, jnp.sqrt(gg))
         dl = dl + b_lo
-        if self._shrink:
+
+        def with_l1():
             c, c_lo = _two_prod(t, l1)
             m, m_lo = _two_sum(jnp.abs(ga), -c)
             m_lo = m_lo - c_lo
@@ -201,7 +201,7 @@ class AdagradDA(Optimizer):
             m, m_lo = jnp.where(positive, m, 0), jnp.where(positive, m_lo, 0)
             sign_lr = jnp.where(ga == 0, 0, -jnp.sign(ga)) * lr  # TF's sgn(-0.0) is +0
             nh, nl = _two_prod(sign_lr, m)
-            nl = nl + sign_lr * m_lo
-        else:
-            nh, nl = _two_prod(-ga, lr)
+            return nh, nl + sign_lr * m_lo
+
+        nh, nl = self._by_l1(with_l1, lambda: _two_prod(-ga, lr))
         return _pair_div(nh, nl, dh, dl), ga, gg

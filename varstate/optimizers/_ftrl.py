@@ -10,6 +10,7 @@ import numpy as np
 
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._rows import as_dtype, divide, gather_rows, set_rows
+from varstate.optimizers._core._traced import varies
 from varstate.optimizers._proximal_math import _check, _float_options, _one_element_rows
 
 
@@ -70,6 +71,9 @@ class Ftrl(Optimizer):
     beta: float | None = None
 
     _hyper_names: ClassVar[tuple[str, ...]] = ("learning_rate",)
+    _step_floats: ClassVar[tuple[str, ...]] = (
+        "learning_rate_power", "l1_regularization_strength", "l2_regularization_strength",
+        "l2_shrinkage_regularization_strength", "beta")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,7 +96,7 @@ class Ftrl(Optimizer):
     def _scalars(self, h, dtype):
         lr32 = jnp.asarray(h["learning_rate"], jnp.float32)
         # TF adds beta to l2 in float32 before the cast: l2 + beta / (2 * max(lr, 1e-36)).
-        l2 = jnp.float32(self.l2_regularization_strength) + jnp.float32(self.beta) / (
+        l2 = as_dtype(self.l2_regularization_strength, jnp.float32) + as_dtype(self.beta, jnp.float32) / (
             jnp.float32(2) * jnp.maximum(lr32, jnp.float32(1e-36))
         )
         l1 = as_dtype(self.l1_regularization_strength, dtype)
@@ -101,13 +105,20 @@ class Ftrl(Optimizer):
 
     def _pow(self, x):
         """``x ** -learning_rate_power``; a square root for TF's ``-0.5`` (compared in float32, as TF does)."""
-        if np.float32(self.learning_rate_power) == np.float32(-0.5):
+        p = self.learning_rate_power
+        if varies(p):  # traced: TF's choice, made per value
+            p = as_dtype(p, jnp.float32)
+            return jnp.where(p == -0.5, jnp.sqrt(x), jnp.power(x, (-p).astype(x.dtype)))
+        if np.float32(p) == np.float32(-0.5):
             return jnp.sqrt(x)
-        return jnp.power(x, as_dtype(-self.learning_rate_power, x.dtype))
+        return jnp.power(x, as_dtype(-p, x.dtype))
 
     def _gradient(self, grad, var, shrinkage):
         """The gradient with the shrinkage term; TF runs its V2 kernel only when the strength is positive."""
-        if self.l2_shrinkage_regularization_strength > 0:
+        s = self.l2_shrinkage_regularization_strength
+        if varies(s):  # traced: TF's choice of kernel, made per value
+            return jnp.where(shrinkage > 0, grad + (2 * shrinkage) * var, grad)
+        if s > 0:
             return grad + (2 * shrinkage) * var
         return grad
 

@@ -6,11 +6,10 @@ import dataclasses
 from typing import ClassVar
 
 import jax.numpy as jnp
-import numpy as np
 
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._rows import as_dtype, update_rows
-from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _one_element_rows
+from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _one_element_rows, _shrinks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +52,7 @@ class ProximalAdagrad(Optimizer):
     l2_regularization_strength: float = 0.0
 
     _hyper_names: ClassVar[tuple[str, ...]] = ("learning_rate",)
+    _step_floats: ClassVar[tuple[str, ...]] = ("l1_regularization_strength", "l2_regularization_strength")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,7 +76,7 @@ class ProximalAdagrad(Optimizer):
             lr_t = lr / jnp.sqrt(accum)
         else:  # TF says lr * rsqrt(accum); its correctly rounded form is 1 / sqrt (see Adagrad)
             lr_t = lr * (1 / jnp.sqrt(accum))
-        shrink = bool(np.float32(self.l1_regularization_strength) > 0)
+        shrink = _shrinks(self.l1_regularization_strength)
         return _fobos(var - grad * lr_t, lr_t * l1, l2 * lr_t, shrink, wide), {"accumulator": accum}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):

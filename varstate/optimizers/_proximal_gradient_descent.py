@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import numpy as np
-
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._rows import as_dtype, update_rows
-from varstate.optimizers._proximal_math import _float_options, _fobos, _one_element_rows
+from varstate.optimizers._proximal_math import _float_options, _fobos, _one_element_rows, _shrinks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +44,7 @@ class ProximalGradientDescent(Optimizer):
     l2_regularization_strength: float = 0.0
 
     _hyper_names: ClassVar[tuple[str, ...]] = ("learning_rate",)
+    _step_floats: ClassVar[tuple[str, ...]] = ("l1_regularization_strength", "l2_regularization_strength")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,7 +55,7 @@ class ProximalGradientDescent(Optimizer):
         dtype = var.dtype
         lr = as_dtype(h["learning_rate"], dtype)
         l1, l2 = as_dtype(self.l1_regularization_strength, dtype), as_dtype(self.l2_regularization_strength, dtype)
-        shrink = bool(np.float32(self.l1_regularization_strength) > 0)
+        shrink = _shrinks(self.l1_regularization_strength)
         return _fobos(var - grad * lr, lr * l1, l2 * lr, shrink, wide), slots
 
     def _sparse(self, h, values, indices, var, slots, non_slots):

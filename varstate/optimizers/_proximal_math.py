@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from varstate.optimizers._core._rows import divide
+from varstate.optimizers._core._rows import as_dtype, divide
+from varstate.optimizers._core._traced import varies
 
 Array = Any
 
@@ -37,6 +38,8 @@ def _float_options(opt: Any, *names: str) -> None:
     cls = type(opt).__name__
     for name in names:
         x = getattr(opt, name)
+        if varies(x):
+            continue
         try:
             if callable(x) or isinstance(x, str | bytes):
                 raise TypeError
@@ -113,11 +116,21 @@ def _div_one_plus(x: Array, c: Array) -> Array:
     return _pair_div(x, jnp.zeros_like(x), bh, bl)
 
 
-def _fobos(prox: Array, threshold: Array, c: Array, shrink: bool, wide: bool) -> Array:
+def _shrinks(l1: Any) -> Any:
+    """TF's ``l1 > 0`` test (in float32): a bool, or a traced one for a traced `l1`."""
+    if varies(l1):
+        return as_dtype(l1, jnp.float32) > 0
+    return bool(np.float32(l1) > 0)
+
+
+def _fobos(prox: Array, threshold: Array, c: Array, shrink: Any, wide: bool) -> Array:
     """TF's proximal step on ``prox = var - lr * grad``: ``sign(prox) * max(|prox| - threshold, 0) / (1 + c)``.
 
     Without L1 (``shrink`` False, TF's ``l1 > 0`` test) it is ``prox / (1 + c)``. ``wide``: the
     division is in double, as in TF's kernels for rows of one element.
     """
-    x = jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - threshold, 0) if shrink else prox
+    if isinstance(shrink, bool):
+        x = jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - threshold, 0) if shrink else prox
+    else:  # a traced l1: TF's test per value
+        x = jnp.where(shrink, jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - threshold, 0), prox)
     return _div_one_plus(x, c) if wide else divide(x, 1 + c)

@@ -13,6 +13,7 @@ import numpy as np
 from varstate._jax_compat import Tracer
 from varstate._registry import Registry
 from varstate._variable import Variable, owning_variable
+from varstate.optimizers._core import _traced
 from varstate.optimizers._core._matching import array_of, is_var, with_value
 from varstate.optimizers._core._slots import replicated_home
 from varstate.optimizers._core._state import OptimizerState
@@ -166,6 +167,12 @@ def to_optax(opt: Optimizer) -> Any:
                 else "")
         raise TypeError(
             f"to_optax: expected a varstate.optimizers.Optimizer (e.g. Adam(1e-3)), got {type(opt).__name__}.{hint}"
+        )
+    if _traced.traced_names(opt):
+        raise TypeError(
+            f"to_optax({type(opt).__name__}): {list(_traced.traced_names(opt))} are traced, which lives in an "
+            "OptimizerState (apply_gradients/update); optax's way is optax.inject_hyperparams, e.g. "
+            "optax.inject_hyperparams(lambda learning_rate: Adam(learning_rate).to_optax())(learning_rate=0.01)."
         )
     takes_extra_args = _takes_extra_args(opt)
     registry = Registry()  # the non-slot stand-ins' names stay out of the caller's registries

@@ -5,6 +5,8 @@ multiprocess tests do for their model), so a new optimizer joins every
 check that runs over all of them.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import optax
 
@@ -22,6 +24,7 @@ from varstate.optimizers import (
     RMSProp,
     from_optax,
     keras,
+    traced,
 )
 
 
@@ -69,3 +72,15 @@ CASES = {
 def pick(*names: str) -> dict:
     """The named cases, in the order given."""
     return {n: CASES[n] for n in names}
+
+
+def all_traced(opt):
+    """`opt` with every traceable hyperparameter that holds a float declared `traced` (a wrapper's inner optimizer's
+    too), or None when it has none (an optax transformation's are optax's own)."""
+    if isinstance(opt, LossScaleOptimizer):
+        inner = all_traced(opt.inner_optimizer)
+        return None if inner is None else dataclasses.replace(opt, inner_optimizer=inner)
+    # A traced momentum keeps Keras's momentum slot, which Keras makes only for a non-zero one: a zero stays static.
+    names = [n for n in opt._traceable() if isinstance(getattr(opt, n), float)
+             and not (isinstance(opt, keras.KerasOptimizer) and n == "momentum" and opt.momentum == 0)]
+    return dataclasses.replace(opt, **{n: traced(getattr(opt, n)) for n in names}) if names else None

@@ -24,7 +24,7 @@ from varstate.optimizers import (
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from optimizer_cases import CASES
+from optimizer_cases import CASES, all_traced
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data")  # tests/data
 FIXTURES = np.load(os.path.join(DATA, "tf_optimizer_fixtures.npz"))
@@ -103,13 +103,15 @@ def test_variables_are_exactly_those_of_a_tf_checkpoint(case):
     assert ours == set(FIXTURES[f"{case}/checkpoint_keys"].tolist())
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 @pytest.mark.parametrize("case", sorted(TF_CASES))
-def test_op_by_op_the_arithmetic_is_tfs_bit_for_bit(case):
+def test_op_by_op_the_arithmetic_is_tfs_bit_for_bit(case, traced):
     # Without jit every jnp op rounds on its own, as each Eigen expression in TF's kernels does, so
     # the order of operations is checked exactly. (Under jit XLA fuses a*b+c into one rounding.)
     # TF's vectorized rsqrt (dense Adagrad, 8-wide packets) is a hardware estimate: a few ulps there.
+    # Traced: every float hyperparameter read from the state (varstate.optimizers.traced), the same bits.
     max_ulp = 16 if case.startswith("adagrad") else 0
-    opt = TF_CASES[case]
+    opt = all_traced(TF_CASES[case]) if traced else TF_CASES[case]
     params = _fixture_params()
     state = opt.init(params)
     with jax.disable_jit():

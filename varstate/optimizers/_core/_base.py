@@ -22,7 +22,7 @@ import numpy as np
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import Tracer, in_transformation
 from varstate._variable import Variable, owning_variable
-from varstate.optimizers._core import _packed, _step
+from varstate.optimizers._core import _packed, _step, _traced
 from varstate.optimizers._core._matching import (
     array_of,
     cast_like,
@@ -109,6 +109,7 @@ class Optimizer:
 
     _dedup: ClassVar[bool] = True
     _hyper_names: ClassVar[tuple[str, ...]] = ()
+    _step_floats: ClassVar[tuple[str, ...]] = ()  # float options the step reads besides _hyper_names (traceable)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         # A misspelled keyword (beta_1, lr) raises a TypeError naming the closest fields, not dataclass's bare one.
@@ -121,11 +122,18 @@ class Optimizer:
             cls.update = guarded_update(cls.__dict__["update"])  # type: ignore[method-assign]
 
     def __post_init__(self) -> None:
+        traceable = self._traceable()
+        for f in dataclasses.fields(self):
+            if isinstance(getattr(self, f.name), _traced.Traced) and f.name not in traceable:
+                raise TypeError(
+                    f"{type(self).__name__}: {f.name} cannot be traced: only a float the step reads can "
+                    f"({', '.join(traceable) or 'this optimizer has none'}); pass {f.name} as a plain value."
+                )
         for name in self._hyper_names:
             x = getattr(self, name)
             # A tracer: optax.inject_hyperparams builds the optimizer inside its jitted init/update. Such an
             # optimizer steps through `update` and `to_optax`; it cannot be a static jit argument (apply_gradients).
-            if callable(x) or isinstance(x, Tracer):
+            if callable(x) or isinstance(x, Tracer | _traced.Traced):
                 continue
             # Arrays are unhashable; a config must be a static jit argument.
             try:
@@ -136,6 +144,20 @@ class Optimizer:
                     f"got {type(x).__name__} {x!r:.40}."
                 ) from None
             object.__setattr__(self, name, x)
+
+    @classmethod
+    def _traceable(cls) -> tuple[str, ...]:
+        """The fields that may be `traced`: the float hyperparameters the step reads."""
+        return (*cls._hyper_names, *cls._step_floats)
+
+    def _held_elsewhere(self) -> tuple[str, ...]:
+        """Traced fields whose value the state holds otherwise than as a traced entry (Keras's learning rate)."""
+        return ()
+
+    def _compile_key(self) -> Optimizer:
+        """The config that keys the compiled step: `self`, or one equal in effect that leaves out values the state
+        holds (Keras's float learning rate)."""
+        return self
 
     # --- subclass hooks -------------------------------------------------
     def _slot_inits(self) -> dict[str, float]:
@@ -267,15 +289,19 @@ class Optimizer:
         registry, placement = non_slot_home(leaves)
         for name, initial in self._non_slot_inits().items():
             if name not in non_slots:
-                value = jnp.asarray(initial, jnp.float32, device=placement)
+                value = jnp.asarray(float(initial), jnp.float32, device=placement)  # float(): a `Traced` too
                 non_slots[name] = owning_variable(value, name=name, trainable=False, registry=registry)
+        held = {} if state is None else dict(state._traced)
+        for name in _traced.traced_names(self):  # a value the state already holds is kept, as a slot is
+            if name not in held:
+                held[name] = jax.device_put(_traced.entry(getattr(self, name).value, name), placement)
         if fused is None:
             fused = state is not None and state.fused
         names = list(self._slot_inits())
         if not fused or not names:
-            return OptimizerState(slots=slots, non_slots=non_slots)
+            return OptimizerState(slots, non_slots, None, held)
         stored, packed = _packed.pack(slots, names, leaves, p_def, owners)
-        return OptimizerState(stored, non_slots, packed)
+        return OptimizerState(stored, non_slots, packed, held)
 
     def hyperparameters(self, step: Any = None) -> dict[str, Any]:
         """Hyperparameter values at `step` (callables are called with it).
@@ -359,10 +385,11 @@ class Optimizer:
 
         slot_leaves = check_slots(state, slot_names, p_leaves, p_def, paths, owners, want)
         check_non_slots(state, self._non_slot_inits())
+        opt = self._bound(state)
         non_slots = {k: v._value for k, v in state.non_slots.items()}
         if isinstance(step, Variable):
             step = step.read_value()
-        h = self.hyperparameters(step)
+        h = opt.hyperparameters(step)
         new_p = list(p_leaves)
         new_slots = {n: list(slot_leaves[n]) for n in slot_names}
         for i, g in work.items():
@@ -373,9 +400,9 @@ class Optimizer:
                 values, indices = g.values, g.indices
                 if self._dedup:
                     values, indices = _dedupe(values, indices, var.shape[0])
-                var, slots = self._sparse(h, values, indices, var, slots, non_slots)
+                var, slots = opt._sparse(h, values, indices, var, slots, non_slots)
             else:
-                var, slots = self._dense(h, g, var, slots, non_slots)
+                var, slots = opt._dense(h, g, var, slots, non_slots)
             new_p[i] = with_value(p, cast_like(var, array_of(p)))
             for n in slot_names:
                 new_slots[n][i] = with_value(slot_leaves[n][i], cast_like(slots[n], array_of(p)))
@@ -384,7 +411,7 @@ class Optimizer:
                 new_p[j] = new_p[i]
                 for n in slot_names:
                     new_slots[n][j] = new_slots[n][i]
-        non_slots = self._finish(h, non_slots)
+        non_slots = opt._finish(h, non_slots)
         # Slots of another optimizer's (kept by init(params, state)) pass through untouched; a fused state packs
         # the new slots into its buffers (`OptimizerState.replace`).
         return p_def.unflatten(new_p), state.replace(
@@ -470,6 +497,69 @@ class Optimizer:
         # Params without state: created outside jit, as TF's optimizers create missing slots; then the step.
         state = self.init(params, state, reinitialize_slots=reinitialize_slots)
         return _step.apply_jitted(self, grads, params, state, step, global_step, extra_args)
+
+    def _bound(self, state: OptimizerState) -> Self:
+        """This optimizer as its step runs it: traced fields read from `state` (`_traced.bind`); else itself."""
+        names = _traced.traced_names(self)
+        if not names:
+            return self
+        missing = [n for n in names if n not in state._traced]
+        if missing:
+            raise StateMismatchError(
+                f"{type(self).__name__}.update: the state holds no value of the traced hyperparameter {missing[0]!r} "
+                f"(it holds {sorted(state._traced)}): it was made for an optimizer without it. apply_gradients adds "
+                "it; inside your own jit, call `state = opt.init(params, state)` (or opt.with_hyperparameters(state, "
+                f"{missing[0]}=...)) first."
+            )
+        return _traced.bind(self, state._traced)
+
+    def with_hyperparameters(self, state: OptimizerState, **values: Any) -> OptimizerState:
+        """`state` with new values of this optimizer's traced hyperparameters (adding any the state lacks).
+
+        As `OptimizerState.with_hyperparameters`, checked against this
+        optimizer: a name must be one of its traced hyperparameters (or
+        Keras's ``learning_rate``).
+
+        Args:
+            state: the state to change (it is unchanged).
+            **values: ``name=value``; a float, an array (a stacked state's:
+                one value per run) or a traced value.
+
+        Returns:
+            The new `OptimizerState`.
+
+        Raises:
+            TypeError: a name that is not a traced hyperparameter of this
+                optimizer (the message says how to declare it), or a value
+                that is not a real number.
+
+        >>> import jax.numpy as jnp
+        >>> from varstate.optimizers import Adam, traced
+        >>> opt = Adam(traced(0.1), beta1=traced(0.9))
+        >>> state = opt.with_hyperparameters(opt.init([jnp.zeros(2)]), beta1=0.5)
+        >>> float(state.hyperparameters["beta1"])
+        0.5
+        """
+        cls = type(self).__name__
+        traced = _traced.traced_names(self)
+        for name in values:
+            if name in traced or name in self._held_elsewhere():
+                continue
+            if name in self._traceable():
+                raise TypeError(
+                    f"{cls}.with_hyperparameters: {name} is static in this {cls} (a float compiled into the step); "
+                    f"declare it traced to change it without a new compile: {cls}({name}="
+                    f"varstate.optimizers.traced({getattr(self, name)!r}))."
+                )
+            raise TypeError(
+                f"{cls}.with_hyperparameters: {cls} has no hyperparameter {name!r}; those that can be traced are "
+                f"{list(self._traceable())}."
+            )
+        added = {n: _traced.entry(values[n], f"{cls}.with_hyperparameters({n}=...)")
+                 for n in traced if n in values and n not in state._traced}
+        if added:
+            state = OptimizerState(state._stored, state.non_slots, state.packed, {**state._traced, **added})
+        return state.with_hyperparameters(**{k: v for k, v in values.items() if k not in added})
 
     def _refuse_extra_args(self, extra_args: dict) -> None:
         """TypeError naming the first extra argument: the TF optimizers' update takes none."""

@@ -287,7 +287,8 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
             for k in names:
                 v_slots[k].append(state.packed[k][g])
             live[g] = members, dense
-    new_v, new_state = update(v_grads, v_params, type(state)(v_slots, state.non_slots), step, **extra)
+    new_v, new_state = update(v_grads, v_params, type(state)(v_slots, state.non_slots, None, state._traced), step,
+                              **extra)
     # What the update stepped (unpacked params, packed ones with a sparse gradient) takes its new version.
     new_p = [p if v is None else new_v[i] for i, (p, v) in enumerate(zip(p_leaves, v_params[:n], strict=True))]
     new_stored = {k: [s if isinstance(s, PackedSlot) else new_state.slots[k][i] for i, s in enumerate(stored[k])]
@@ -312,4 +313,5 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
     new_p = [new_p[i] if isinstance(marks[i], PackedSlot) else p  # a tied weight's one version, at every place
              for p, i in zip(new_p, owners, strict=True)]
     slots = {**state._stored, **{k: PackedTree.build(p_def, new_stored[k], state._stored[k].layout) for k in names}}
-    return p_def.unflatten(new_p), type(state)(slots, new_state.non_slots, {k: tuple(b) for k, b in buffers.items()})
+    buffers_out = {k: tuple(b) for k, b in buffers.items()}
+    return p_def.unflatten(new_p), type(state)(slots, new_state.non_slots, buffers_out, new_state._traced)

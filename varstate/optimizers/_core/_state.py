@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from varstate._jax_compat import container_registry
+from varstate._jax_compat import ArrayImpl, container_registry
 from varstate._variable import Variable, version, versions
 from varstate.optimizers._core import _packed
 
@@ -29,9 +29,15 @@ class OptimizerState:
         packed: ``{slot name: tuple of 1-D buffers}``, one buffer per (dtype,
             sharding), when the state is fused (``opt.init(params, fused=True)``);
             None or empty otherwise.
+        traced: ``{name: (float32 value, float32 1 - value)}``, the traced
+            hyperparameters (`varstate.optimizers.traced`); read them as
+            `hyperparameters`, set them with `with_hyperparameters`.
 
     Checkpoints record slots against their primary's node (`slot_variables`)
-    and non-slots as children of the optimizer's node, as TF does.
+    and non-slots as children of the optimizer's node, as TF does. Traced
+    hyperparameters are not saved (TF v1's checkpoints hold none): a restore
+    keeps the template state's values. Keras's ``learning_rate`` is a
+    non-slot, saved and restored as Keras does.
 
     >>> import jax.numpy as jnp, varstate
     >>> from varstate.optimizers import Adam
@@ -45,7 +51,7 @@ class OptimizerState:
     (True, 'bias/m', [(5,)])
     """
 
-    # Set through object.__setattr__, which mypy cannot follow. _parts: (stored slots, non_slots, packed), made
+    # Set through object.__setattr__, which mypy cannot follow. _parts: (stored slots, non_slots, packed, traced), made
     # from _flat on first read when a step returned this state; _flat: (the step's `LeafLayout`, its values) or
     # None; _views: like the stored slots once built (a fused state's), None before.
     _parts: tuple | None
@@ -54,9 +60,9 @@ class OptimizerState:
     __slots__ = ("_flat", "_parts", "_views")
 
     def __init__(self, slots: dict[str, Any], non_slots: dict[str, Variable],
-                 packed: dict[str, tuple] | None = None) -> None:
+                 packed: dict[str, tuple] | None = None, traced: dict[str, tuple] | None = None) -> None:
         # `slots` may hold `_packed.PackedSlot` markers where `packed` holds the values (the internal layout).
-        object.__setattr__(self, "_parts", (slots, non_slots, packed or {}))
+        object.__setattr__(self, "_parts", (slots, non_slots, packed or {}, traced or {}))
         object.__setattr__(self, "_flat", None)
         object.__setattr__(self, "_views", None)
 
@@ -96,6 +102,77 @@ class OptimizerState:
         """The buffers of a fused state (``{slot name: tuple of 1-D buffers}``), empty when unfused."""
         return self._made()[2]
 
+    @property
+    def _traced(self) -> dict[str, tuple]:
+        return self._made()[3]
+
+    @property
+    def hyperparameters(self) -> dict[str, Any]:
+        """The hyperparameter values the state holds: the traced ones, and Keras's ``learning_rate`` non-slot.
+
+        A traced hyperparameter (`varstate.optimizers.traced`) is a float32
+        scalar here (with a leading run axis in a stacked state); the step
+        reads it from the state, so a new value needs no new compile.
+
+        >>> import jax.numpy as jnp
+        >>> from varstate.optimizers import Momentum, traced
+        >>> state = Momentum(traced(0.1), momentum=traced(0.9)).init([jnp.zeros(2)])
+        >>> {k: round(float(v), 4) for k, v in state.hyperparameters.items()}
+        {'learning_rate': 0.1, 'momentum': 0.9}
+        """
+        out = {name: value for name, (value, _) in self._traced.items()}
+        lr = self.non_slots.get("learning_rate")
+        if isinstance(lr, Variable) and "learning_rate" not in out:
+            out["learning_rate"] = lr.value
+        return out
+
+    def with_hyperparameters(self, **values: Any) -> OptimizerState:
+        """A new state with these hyperparameter values (traced ones, or Keras's ``learning_rate``).
+
+        A Python float is rounded to float32 as the static path rounds it
+        (and Keras's host constants such as ``1 - beta_1`` from its double);
+        an array, or a traced value inside ``jax.vmap`` or ``jax.jit``, is
+        taken as float32. An array with a leading axis sets a stacked
+        state's values, one per run. A concrete value is placed as the one
+        it replaces, so the next step does not compile again.
+
+        Args:
+            **values: ``name=value`` for hyperparameters this state holds.
+
+        Returns:
+            The new `OptimizerState` (this one is unchanged).
+
+        Raises:
+            TypeError: a name the state holds no value for (the message lists
+                those it holds, and how to declare one traced), or a value
+                that is not a real number.
+
+        >>> import jax.numpy as jnp
+        >>> from varstate.optimizers import Adam, traced
+        >>> state = Adam(traced(0.1)).init([jnp.zeros(2)])
+        >>> float(state.with_hyperparameters(learning_rate=0.25).hyperparameters["learning_rate"])
+        0.25
+        """
+        from varstate.optimizers._core import _traced
+
+        traced, non_slots = dict(self._traced), dict(self.non_slots)
+        for name, value in values.items():
+            where = f"OptimizerState.with_hyperparameters({name}=...)"
+            if name in traced:
+                new, one_minus = _traced.entry(value, where)
+                traced[name] = (_placed_as(new, traced[name][0]), _placed_as(one_minus, traced[name][1]))
+            elif name == "learning_rate" and isinstance(non_slots.get(name), Variable):
+                old = non_slots[name]
+                non_slots[name] = old._with_value(_placed_as(_traced.entry(value, where)[0], old.value))
+            else:
+                raise TypeError(
+                    f"OptimizerState.with_hyperparameters: the state holds no value of {name!r} (it holds "
+                    f"{sorted(self.hyperparameters)}). Declare the hyperparameter traced when making the "
+                    f"optimizer, e.g. Adam({name}=varstate.optimizers.traced(0.001)), and make the state with "
+                    "its init (or opt.with_hyperparameters(state, ...), which adds it)."
+                )
+        return OptimizerState(self._stored, non_slots, self.packed, traced)
+
     def _non_slot_values(self) -> list:
         """The non-slots' values in `non_slots`' order (None for one that is not a Variable), read from a step's
         flat values when this state is one's (no Variable made)."""
@@ -109,8 +186,7 @@ class OptimizerState:
 
     def __deepcopy__(self, memo: dict) -> OptimizerState:
         # Values copied, identities kept (as a Variable's deep copy), so each slot stays linked to its primary.
-        slots, non_slots, packed = self._made()
-        return OptimizerState(copy.deepcopy(slots, memo), copy.deepcopy(non_slots, memo), copy.deepcopy(packed, memo))
+        return OptimizerState(*(copy.deepcopy(part, memo) for part in self._made()))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"OptimizerState is immutable: use state.replace({name}=...) for a new one.")
@@ -122,7 +198,8 @@ class OptimizerState:
                   for n, t in self._stored.items()}
         packed = {n: [b.shape for b in bs] for n, bs in self.packed.items()} if self.packed else None
         fused = f"packed={packed}" if packed else "fused=False"
-        return f"OptimizerState(slots={counts}, non_slots={sorted(self.non_slots)}, {fused})"
+        traced = f", traced={sorted(self._traced)}" if self._traced else ""
+        return f"OptimizerState(slots={counts}, non_slots={sorted(self.non_slots)}, {fused}{traced})"
 
     @property
     def slots(self) -> dict[str, Any]:
@@ -164,11 +241,11 @@ class OptimizerState:
         """
         non_slots = self.non_slots if non_slots is None else non_slots
         if slots is None:
-            return OptimizerState(self._stored, non_slots, self.packed)
+            return OptimizerState(self._stored, non_slots, self.packed, self._traced)
         if not self.packed:
-            return OptimizerState(slots, non_slots)
+            return OptimizerState(slots, non_slots, None, self._traced)
         stored, packed = _packed.repack(self._stored, self.packed, slots)
-        return OptimizerState(stored, non_slots, packed)
+        return OptimizerState(stored, non_slots, packed, self._traced)
 
     def get_slot_names(self) -> list[str]:
         """Slot names, sorted (TF's `get_slot_names`).
@@ -223,6 +300,14 @@ class OptimizerState:
             ) from None
 
 
+def _placed_as(new: Any, old: Any) -> Any:
+    """`new` placed as the concrete array `old` (committed where it is) when both are concrete; else `new`."""
+    if (type(old) is ArrayImpl and old.committed and type(new) is ArrayImpl and new.shape == old.shape
+            and old.is_fully_addressable):
+        return jax.device_put(new, old.sharding)
+    return new
+
+
 def flatten_state(s: OptimizerState) -> tuple[tuple, None]:
     """The state's pytree children and static data."""
     return s._made(), None
@@ -232,10 +317,10 @@ def unflatten_state(_: None, children: Any) -> OptimizerState:
     return OptimizerState(*children)
 
 
-_KEYS = (jax.tree_util.GetAttrKey("slots"), jax.tree_util.GetAttrKey("non_slots"), jax.tree_util.GetAttrKey("packed"))
+_KEYS = tuple(map(jax.tree_util.GetAttrKey, ("slots", "non_slots", "packed", "traced")))
 jax.tree_util.register_pytree_with_keys(
     OptimizerState,
-    lambda s: (tuple(zip(_KEYS, (s._stored, s.non_slots, s.packed), strict=True)), None),
+    lambda s: (tuple(zip(_KEYS, s._made(), strict=True)), None),
     unflatten_state,
     flatten_state,
 )

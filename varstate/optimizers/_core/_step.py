@@ -258,6 +258,7 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
                 f"(varstate.get_or_create_global_step()), got {type(global_step).__name__} {global_step!r:.60}."
             )
         assert_global_step(global_step)
+    opt = opt._compile_key()
     use_global = global_step is not None and (
         step is None or (isinstance(step, Variable) and step._handle is global_step._handle))
     other = (None if use_global else step, extra or {})
@@ -533,8 +534,9 @@ def _state_on_params(params: Any, state: OptimizerState, global_step: Any) -> tu
         slots[name] = tree
     non_slots = {k: move(v, common) for k, v in state.non_slots.items()}
     packed = {k: tuple(move(b, common) for b in bs) for k, bs in state.packed.items()}
+    traced = {k: tuple(move(x, common) for x in pair) for k, pair in state._traced.items()}
     global_step = None if global_step is None else move(global_step, common)
-    return (OptimizerState(slots, non_slots, packed), global_step) if moved else None
+    return (OptimizerState(slots, non_slots, packed, traced), global_step) if moved else None
 
 
 def _place(plan: _Plan, leaves: list, state: OptimizerState) -> bool:
@@ -603,4 +605,4 @@ def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: Opti
                   for (name, v), c in zip(given.items(), _concrete(placement, 1, len(given)), strict=True)}
     non_slots = {name: _pin(v, *ns_targets[name]) if name in ns_targets else v
                  for name, v in new_state.non_slots.items()}
-    return new_params, OptimizerState(slots, non_slots, new_state.packed)
+    return new_params, OptimizerState(slots, non_slots, new_state.packed, new_state._traced)

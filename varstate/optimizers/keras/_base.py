@@ -37,12 +37,20 @@ from varstate.optimizers._core._messages import check_arguments
 from varstate.optimizers._core._rows import as_dtype
 from varstate.optimizers._core._slots import check_non_slots, filled_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
+from varstate.optimizers._core._traced import Live, Traced, varies
 
 Array = Any
 
 
 def const(x: float, dtype: Any) -> Array:
-    """A Python float as Keras hands it to an op: rounded once from double to `dtype`."""
+    """A Python float as Keras hands it to an op: rounded once from double to `dtype`.
+
+    A traced one (`Live`) was rounded to float32 when set (its ``1 - x`` too,
+    from double): for a float32 variable the same bits; for a narrower one,
+    rounded twice (float32 first).
+    """
+    if isinstance(x, Live | jax.Array):  # traced (`Live`, or ``1 - live``): float32 already
+        return jnp.asarray(x).astype(dtype)
     return jnp.asarray(np.asarray(x, np.float64).astype(np.dtype(dtype)))
 
 
@@ -100,11 +108,30 @@ class KerasOptimizer(Optimizer):
         super().__post_init__()
         for name in (*self._floats, "weight_decay"):
             x = getattr(self, name)
-            if name == "weight_decay" and (x is None or isinstance(x, Tracer)):  # traced: used as a float32 value
-                continue
+            if varies(x) or (name == "weight_decay" and (x is None or isinstance(x, Tracer))):
+                continue  # a Tracer (optax.inject_hyperparams): used as a float32 value
             if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
                 raise TypeError(f"{type(self).__name__}: {name} must be a float, got {type(x).__name__} {x!r:.40}.")
             object.__setattr__(self, name, float(x))
+
+    @classmethod
+    def _traceable(cls) -> tuple[str, ...]:
+        # A slot's initial value is read once, by init: nothing to trace.
+        return (*cls._hyper_names, "weight_decay", *(n for n in cls._floats if not n.startswith("initial_")))
+
+    def _held_elsewhere(self) -> tuple[str, ...]:
+        return ("learning_rate",)  # the ``learning_rate`` non-slot, as in Keras
+
+    def _compile_key(self) -> KerasOptimizer:
+        # The step reads a float learning rate from its non-slot: one compiled step serves every value.
+        if callable(self.learning_rate) or isinstance(self.learning_rate, Traced | Tracer):
+            return self
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = object.__new__(type(self))
+            key.__dict__.update(self.__dict__, learning_rate=Traced(self.learning_rate))
+            self.__dict__["_key"] = key
+        return key
 
     # --- Keras's layout -------------------------------------------------
     def _slot_groups(self) -> tuple[tuple[str, ...], ...]:

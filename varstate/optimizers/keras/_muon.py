@@ -42,7 +42,7 @@ class _AdamWPart(Adam):
     def _lr_and_decayed(self, h, non_slots, var):
         _, var = super()._lr_and_decayed(h, non_slots, var)  # decayed at the plain learning rate, as Keras
         lr_f32 = h["learning_rate"] if callable(self.learning_rate) else non_slots["learning_rate"]
-        return as_dtype(jnp.asarray(lr_f32, jnp.float32) * jnp.float32(self.lr_ratio), var.dtype), var
+        return as_dtype(jnp.asarray(lr_f32, jnp.float32) * as_dtype(self.lr_ratio, jnp.float32), var.dtype), var
 
     def _finish(self, h, non_slots):
         return super()._finish(h, non_slots) if self.counts else non_slots
@@ -303,7 +303,7 @@ class Muon(_PerVariable):
         mask = [self.uses_adamw(p) for p in leaves]
         has = {keep: any(g is not None and m is keep for g, m in zip(g_leaves, mask, strict=True))
                for keep in (True, False)}
-        adamw, matrix = self._parts(counts=not has[False])
+        adamw, matrix = self._bound(state)._parts(counts=not has[False])  # traced values from the state
 
         def only(keep: bool) -> Any:
             return p_def.unflatten([g if m is keep else None for g, m in zip(g_leaves, mask, strict=True)])

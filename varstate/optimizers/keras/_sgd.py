@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from varstate.optimizers._core._rows import add_rows, as_dtype, gather_rows
+from varstate.optimizers._core._traced import varies
 from varstate.optimizers.keras._base import KerasOptimizer, const, densify, scatter_sub
 
 
@@ -48,7 +49,7 @@ class SGD(KerasOptimizer):
     _floats: ClassVar[tuple[str, ...]] = ("momentum",)
 
     def _slot_groups(self):
-        return (("momentum",),) if self.momentum != 0 else ()
+        return (("momentum",),) if varies(self.momentum) or self.momentum != 0 else ()  # traced: kept
 
     def _step(self, lr, var, slots, non_slots, summed):
         mom = as_dtype(self.momentum, var.dtype)
@@ -58,12 +59,12 @@ class SGD(KerasOptimizer):
         return var, {"momentum": m}
 
     def _step_dense(self, lr, grad, var, slots, non_slots):
-        if self.momentum == 0:
+        if not varies(self.momentum) and self.momentum == 0:
             return var - grad * lr, {}
         return super()._step_dense(lr, grad, var, slots, non_slots)
 
     def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        if self.momentum == 0:
+        if not varies(self.momentum) and self.momentum == 0:
             return scatter_sub(var, indices, values * lr), {}
         return super()._step_sparse(lr, values, indices, var, slots, non_slots)
 
@@ -110,7 +111,7 @@ class RMSprop(KerasOptimizer):
 
     def _slot_groups(self):
         groups = [("velocity",)]
-        if self.momentum > 0:
+        if varies(self.momentum) or self.momentum > 0:  # traced: the momentum slot and path serve every value
             groups.append(("momentum",))
         if self.centered:
             groups.append(("average_gradient",))
@@ -128,7 +129,7 @@ class RMSprop(KerasOptimizer):
         new = {}
         den = self._denominator(var.dtype, slots, new, lambda f: f(grad))
         inc = (lr * grad) / jnp.sqrt(den)
-        if self.momentum > 0:
+        if varies(self.momentum) or self.momentum > 0:
             mom = new["momentum"] = const(self.momentum, var.dtype) * slots["momentum"] + inc
             return var - mom, new
         return var - inc, new
@@ -137,7 +138,7 @@ class RMSprop(KerasOptimizer):
         new, shape = {}, var.shape
         den = self._denominator(var.dtype, slots, new, lambda f: densify(f(values), indices, shape))
         inc = (lr * values) / gather_rows(jnp.sqrt(den), indices)
-        if self.momentum > 0:
+        if varies(self.momentum) or self.momentum > 0:
             mom = new["momentum"] = const(self.momentum, var.dtype) * slots["momentum"] + densify(inc, indices, shape)
             return var - mom, new
         return scatter_sub(var, indices, inc), new

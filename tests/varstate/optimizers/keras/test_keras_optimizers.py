@@ -6,6 +6,7 @@ Fixtures: tests/data/keras_optimizers/steps.npz from make_keras_optimizer_fixtur
 
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,9 @@ import varstate
 from varstate import IndexedSlices
 from varstate.optimizers import keras
 from varstate.optimizers._core._slots import StateMismatchError
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from optimizer_cases import all_traced
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "keras_optimizers")
 with open(os.path.join(DATA, "meta.json")) as _f:
@@ -42,8 +46,10 @@ def keras_order(opt, n):
     return order + [(x, None) for x in trail]
 
 
-def _fresh(keras_readback, config):
+def _fresh(keras_readback, config, traced=False):
     opt = keras_readback.ours_optimizer(config, META)
+    if traced:
+        opt = all_traced(opt) or opt
     params = [varstate.Variable(STEPS[f"init/{n}"], name=n) for n in NAMES]
     return opt, params, opt.init(params)
 
@@ -56,9 +62,12 @@ def _state_values(opt, state):
     return out
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 @pytest.mark.parametrize("config", sorted(META["configs"]))
-def test_op_by_op_equals_keras_bit_for_bit(config, keras_readback):
-    opt, params, state = _fresh(keras_readback, config)
+def test_op_by_op_equals_keras_bit_for_bit(config, traced, keras_readback):
+    # Traced: every float hyperparameter (varstate.optimizers.traced) read from the state, Keras's host-rounded
+    # constants (1 - beta_1) included: the same bits.
+    opt, params, state = _fresh(keras_readback, config, traced)
     assert [v[1].rsplit("/", 1)[-1] for v in META["configs"][config]["variables"]] == [
         "variable" if n == "u_product" else (n if p is None else f"{NAMES[p]}_{n}") for n, p in keras_order(opt, 3)
     ]
