@@ -97,4 +97,6 @@ nitpick_ignore = [
     # `LoadStatus(state, ...)`: the restore machinery's shared account; `Checkpoint.restore` builds every
     # LoadStatus, users never do.
     ("py:class", "checkpoint._graph._match.RestoreState"),
+    # `traced(value)`'s marker: passed straight to an optimizer's constructor; `traced`'s entry says what it does.
+    ("py:class", "varstate.optimizers._core._traced.Traced"),
 ]

@@ -292,3 +292,19 @@ def test_gradient_descent_sweep_in_one_vmapped_program_equals_the_closed_form():
     np.testing.assert_array_equal(new[0], np.asarray(w) - np.float32(LRS)[:, None] * np.float32(1.0))
     assert varstate  # the public namespace exposes the same function
     assert varstate.optimizers.traced is traced
+
+
+def test_a_fused_state_carries_its_traced_values_through_the_step():
+    opt = Momentum(traced(0.1), momentum=traced(0.9))
+    results = []
+    for fused in (False, True):
+        params = {"a": Variable(jnp.ones((2, 3)), name="a"), "b": Variable(jnp.full(4, 2.0), name="b")}
+        state = opt.with_hyperparameters(opt.init(params, fused=fused), learning_rate=0.25, momentum=0.5)
+        assert state.fused == fused
+        for _ in range(2):
+            params, state = opt.apply_gradients({"a": jnp.ones((2, 3)), "b": jnp.ones(4)}, params, state)
+        assert {k: float(v) for k, v in state.hyperparameters.items()} == {"learning_rate": 0.25, "momentum": 0.5}
+        results.append(jax.tree.leaves(params))
+    for unfused, fused in zip(*results, strict=True):  # the closed form: 1 - 0.25 * (1 + 1.5)
+        np.testing.assert_array_max_ulp(np.asarray(fused), np.asarray(unfused), maxulp=1)
+    np.testing.assert_allclose(np.asarray(results[0][0]), 1 - 0.25 * 2.5)

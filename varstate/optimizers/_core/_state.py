@@ -108,7 +108,7 @@ class OptimizerState:
 
     @property
     def hyperparameters(self) -> dict[str, Any]:
-        """The hyperparameter values the state holds: the traced ones, and Keras's ``learning_rate`` non-slot.
+        """The hyperparameter values this state holds, the traced ones and Keras's ``learning_rate`` non-slot.
 
         A traced hyperparameter (`varstate.optimizers.traced`) is a float32
         scalar here (with a leading run axis in a stacked state); the step
