@@ -74,7 +74,10 @@ class Optimizer:
     resource to link a slot Variable to). ``grads`` has params' structure; a leaf is an array, a Variable,
     an `IndexedSlices` or None (skipped, as are non-trainable Variables).
     Hyperparameters are floats or callables ``f(step)``; a callable needs
-    ``step=`` (e.g. the global step's value). Arithmetic runs in the
+    ``step=`` (e.g. the global step's value). A float declared
+    `varstate.optimizers.traced` lives in the state instead
+    (``state.hyperparameters``): it is no part of the config's equality, so
+    one compiled step serves every value. Arithmetic runs in the
     variable's dtype with hyperparameters rounded to float32 first, as TF's
     kernels do. `IndexedSlices` indices are range-checked while concrete
     (``apply_gradients``, or ``update`` outside jit); inside a caller's jit
@@ -305,6 +308,9 @@ class Optimizer:
 
     def hyperparameters(self, step: Any = None) -> dict[str, Any]:
         """Hyperparameter values at `step` (callables are called with it).
+
+        A traced hyperparameter's entry is its `traced` marker: its value is
+        the state's (``state.hyperparameters``).
 
         Args:
             step: the step a callable hyperparameter is called with; None when
