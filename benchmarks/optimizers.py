@@ -289,6 +289,66 @@ def accelerator_rows():
               f"{fused / ref:.3f} (target {target}), fused/flatten {fused / flat:.3f}")
 
 
+def bench_packed(count=1000, shape=(16, 4), n_steps=20):
+    """Packed params (`varstate.pack`) on `count` tensors of `shape`: (a) the Adam step alone against one jitted
+    Adam over a single buffer of the same floats (the limit) and optax.adam / optax.flatten over the separate
+    arrays; (b) a whole training step (forward, backward, update, one jit) of a model reading every tensor,
+    packed against optax.adam over the separate arrays. Returns {name: (wall s, CPU s)} for each part."""
+    lr = 1e-3
+    n = count * int(np.prod(shape))
+    x = jnp.linspace(-1.0, 1.0, int(np.prod(shape))).reshape(shape)
+
+    opt = Adam(lr)
+    packed = varstate.pack([varstate.Variable(jnp.zeros(shape), name=f"p{i}") for i in range(count)])
+    grads_packed = jax.tree.map(lambda b: jnp.full(b.shape, 0.01, b.dtype), packed)
+    buffer = [jnp.zeros(n)]
+    limit_grads = [jnp.full(n, 0.01)]
+    limit = jax.jit(opt.update, donate_argnums=(1, 2))
+    arrays = [jnp.zeros(shape) for _ in range(count)]
+    grads = [jnp.full(shape, 0.01) for _ in range(count)]
+    tx, flat_tx = optax.adam(lr), optax.flatten(optax.adam(lr))
+    step, flat_step = _optax_step(tx), _optax_step(flat_tx)
+    a2 = [jnp.zeros(shape) for _ in range(count)]
+    steps = _time({
+        "packed": (lambda c: opt.apply_gradients(grads_packed, *c), (packed, opt.init(packed))),
+        "limit": (lambda c: limit(limit_grads, *c), (buffer, opt.init(buffer))),
+        "optax": (lambda c: step(*c, grads), (arrays, tx.init(arrays))),
+        "flatten": (lambda c: flat_step(*c, grads), (a2, flat_tx.init(a2))),
+    }, n_steps)
+
+    def loss_of(tensors):
+        return sum(jnp.sum(jnp.tanh(w * x)) for w in tensors)
+
+    @jax.jit
+    def train_packed(carry):
+        packed, state = carry
+        g = jax.grad(lambda p: loss_of([v.value for v in p.unpack()]))(packed)
+        return opt.update(g, packed, state)
+
+    @jax.jit
+    def train_optax(carry):
+        params, opt_state = carry
+        updates, opt_state = tx.update(jax.grad(loss_of)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    packed2 = varstate.pack([varstate.Variable(jnp.zeros(shape), name=f"q{i}") for i in range(count)])
+    arrays2 = [jnp.zeros(shape) for _ in range(count)]
+    train = _time({"packed": (train_packed, (packed2, opt.init(packed2))),
+                   "optax": (train_optax, (arrays2, tx.init(arrays2)))}, n_steps)
+    return steps, train
+
+
+def packed_rows():
+    steps, train = bench_packed()
+    p, lim, ref, flat = (steps[k][0] for k in ("packed", "limit", "optax", "flatten"))
+    print(f"packed params (varstate.pack), Adam on 1000 x 16x4: step {p * 1e3:.3f} ms, one jitted Adam over a single "
+          f"buffer {lim * 1e3:.3f} ms, packed/limit {p / lim:.1f}x (target <= 3x); optax.adam {ref * 1e3:.3f} ms, "
+          f"optax.flatten {flat * 1e3:.3f} ms (optax.adam/packed {ref / p:.0f}x)")
+    tp, to = train["packed"][0], train["optax"][0]
+    print(f"whole training step (forward, backward, update in one jit), 1000 x 16x4: packed {tp * 1e3:.3f} ms, "
+          f"optax.adam over separate arrays {to * 1e3:.3f} ms, optax/packed {to / tp:.1f}x (target >= 5x)")
+
+
 def bench_sweep(n_runs=8, count=16, shape=(64, 64), n_steps=50):
     """A sweep of `n_runs` learning rates: one vmapped, jitted step over stacked runs (``Adam(traced(lr))``)
     against a Python loop of `n_runs` optimizers ``Adam(lr)`` (``apply_gradients``), each with its own jitted
@@ -364,6 +424,8 @@ def main():
         return accelerator_rows()
     if sys.argv[1:] == ["--sweep"]:
         return sweep_row()
+    if sys.argv[1:] == ["--packed"]:
+        return packed_rows()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     default_rows()
     if sys.argv[1:] == ["--default-path"]:
@@ -405,6 +467,8 @@ def main():
     print(f"\nAdam step on a 1,000,000 x 64 table, 1,024 rows touched: lazy {lazy_t[0] * 1e3:.3f} ms, "
           f"dense {dense_t[0] * 1e3:.1f} ms, dense/lazy {dense_t[0] / lazy_t[0]:.0f}x "
           f"(CPU {dense_t[1] / lazy_t[1]:.0f}x)")
+    print()
+    packed_rows()
     print()
     sweep_row()
 

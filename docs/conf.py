@@ -99,4 +99,6 @@ nitpick_ignore = [
     ("py:class", "checkpoint._graph._match.RestoreState"),
     # `traced(value)`'s marker: passed straight to an optimizer's constructor; `traced`'s entry says what it does.
     ("py:class", "varstate.optimizers._core._traced.Traced"),
+    # `Packed`'s layout: made by `varstate.pack` and shared by every version; `Packed`'s entry says what it holds.
+    ("py:class", "varstate._pack.PackLayout"),
 ]

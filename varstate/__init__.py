@@ -18,6 +18,7 @@ from varstate._custom_gradient import custom_gradient
 from varstate._global_step import assert_global_step, get_or_create_global_step
 from varstate._indexed_slices import IndexedSlices
 from varstate._initializers import uninitialized, zero_initializer
+from varstate._pack import Packed, pack
 from varstate._partition import (
     PartitionedVariable,
     SaveSliceInfo,
@@ -46,6 +47,7 @@ __all__ = [
     "AutoCastVariable",
     "DonatedVariableError",
     "IndexedSlices",
+    "Packed",
     "PartitionedVariable",
     "Registry",
     "ResourceHandle",
@@ -66,6 +68,7 @@ __all__ = [
     "name_scope",
     "nnx",
     "optimizers",
+    "pack",
     "tree_map",
     "uninitialized",
     "values",

@@ -21,7 +21,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._graph import _walk
 from checkpoint._graph._build import PRNG_KEY_IMPL, node_names
 from checkpoint._graph._walk import VALUES, Kind
-from varstate import Variable, _seam
+from varstate import Packed, Variable, _seam
 
 _log = logging.getLogger("checkpoint")
 
@@ -66,6 +66,15 @@ class _Merge:
 
     graphdef: Any
     state: Any
+
+
+@dataclasses.dataclass(eq=False)
+class _Repack:
+    """Packed params being restored (`varstate.pack`): the template and its params (holding cells), packed again
+    in the template's layout once values are loaded."""
+
+    template: Any
+    params: Any
 
 
 @dataclasses.dataclass(eq=False)
@@ -147,6 +156,8 @@ def restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool = Tr
             return x.template.replace(slots=slots, non_slots=non_slots)
         if isinstance(x, _Merge):  # merged whole: mapping over a Module as a pytree would unshare its Variables
             return _walk.nnx_merge(x.graphdef, jax.tree.map(resolve, x.state, is_leaf=_is_cell))
+        if isinstance(x, _Repack):
+            return x.template.repacked(jax.tree.map(resolve, x.params, is_leaf=_is_cell))
         if isinstance(x, _Cell):
             return _finish(x, loaded[x.key], loaded[x.impl_key] if x.impl_key is not None else None)
         return x
@@ -214,6 +225,8 @@ def _match(st: RestoreState, obj, node_id, label, found: _Found) -> Any:
     parts = _walk.nnx_split(obj)
     if parts is not None:
         return _Merge(parts[0], _walk.rebuild(parts[1], child, label))
+    if isinstance(obj, Packed):
+        return _Repack(obj, _walk.rebuild(obj.unpack(), child, label))
     return _walk.rebuild(obj, child, label)
 
 def _unmatched(st: RestoreState, obj, k, label) -> None:
@@ -271,7 +284,7 @@ def _load(st: RestoreState, cells: list[_Cell]) -> dict[str, Any]:
 
 
 def _is_cell(x: Any) -> bool:
-    return isinstance(x, (_Cell, _OptCell, _Merge))
+    return isinstance(x, (_Cell, _OptCell, _Merge, _Repack))
 
 
 def _target_sharding(value: Any) -> Any:

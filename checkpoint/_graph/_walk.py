@@ -22,7 +22,7 @@ import numpy as np
 
 from checkpoint import _keys
 from checkpoint._dtypes import PYTHON_TYPES
-from varstate import PartitionedVariable, Variable, _seam
+from varstate import Packed, PartitionedVariable, Variable, _seam
 from varstate.optimizers import OptimizerState
 
 PLAIN_SLOTS = "slots"  # the optimizer's child holding the slots of plain-array params
@@ -136,6 +136,8 @@ def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
     nnx = _nnx()
     if nnx is not None and isinstance(obj, nnx.Module):  # as its nnx.State: shared Variables once each
         obj = nnx.state(obj)
+    if isinstance(obj, Packed):  # as its params, each variable under its own key (`varstate.pack`)
+        obj = obj.unpack()
     pairs, _ = _flatten_one(obj, where)
     return [(_keys.local_name(path[0]), unwrap(child)) for path, child in pairs]
 
@@ -183,6 +185,8 @@ def rebuild(obj: Any, fn, where: str = "an object") -> Any:
     parts = nnx_split(obj)
     if parts is not None:  # a new Module from the new state: shared Variables stay shared, as nnx.merge keeps them
         return nnx_merge(parts[0], rebuild(parts[1], fn, where))
+    if isinstance(obj, Packed):  # its params rebuilt, packed again in its layout
+        return obj.repacked(rebuild(obj.unpack(), fn, where))
     nnx = _nnx()
     pairs, treedef = _flatten_one(obj, where)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,8 @@ def _parts(opt_state: Any, values: Any, p_def: Any) -> tuple[Any, list[tuple[str
 class _OptaxOptimizer(Optimizer):
     tx: Any
     name: str = "optax"
+
+    _elementwise: ClassVar[bool] = False  # a transformation may reduce over a whole param (clipping, factoring)
 
     def _values(self, p_leaves: list, p_def: Any) -> Any:
         # Non-trainable Variables are hidden from optax (None), so they get no state, as in TF; so is

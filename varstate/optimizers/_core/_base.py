@@ -21,6 +21,7 @@ import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import Tracer, in_transformation
+from varstate._pack import Packed
 from varstate._variable import Variable, owning_variable
 from varstate.optimizers._core import _packed, _step, _traced
 from varstate.optimizers._core._matching import (
@@ -113,6 +114,7 @@ class Optimizer:
     _dedup: ClassVar[bool] = True
     _hyper_names: ClassVar[tuple[str, ...]] = ()
     _step_floats: ClassVar[tuple[str, ...]] = ()  # float options the step reads besides _hyper_names (traceable)
+    _elementwise: ClassVar[bool] = True  # each element's update reads only that element: packed params may be stepped
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         # A misspelled keyword (beta_1, lr) raises a TypeError naming the closest fields, not dataclass's bare one.
@@ -263,6 +265,8 @@ class Optimizer:
         (True, None)
         """
         check_arguments(self, "init", params, state=state)
+        if isinstance(params, Packed):
+            return self._init_packed(params, state, stepped, reinitialize_slots)
         flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
         leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         owners = owner_positions(leaves)
@@ -377,6 +381,14 @@ class Optimizer:
         check_arguments(self, "update", params, grads, state)
         if extra_args:
             self._refuse_extra_args(extra_args)
+        if isinstance(params, Packed):
+            if not _packed.packed_like(state, params):
+                raise StateMismatchError(
+                    f"{type(self).__name__}.update: params are packed (varstate.pack) but the state's slots are not "
+                    "packed as they are: make it with opt.init(packed) (apply_gradients converts it; inside your own "
+                    "jit, call `state = opt.init(packed, state)` first, outside jit)."
+                )
+            return _packed.packed_update(self.update, grads, params, state, step, extra_args)
         p_leaves, g_leaves, p_def, paths = flatten_grads(grads, params)
         owners = owner_positions(p_leaves)
         slot_names = list(self._slot_inits())
@@ -493,6 +505,8 @@ class Optimizer:
         1
         """
         check_arguments(self, "apply_gradients", params, grads, state)
+        if isinstance(params, Packed):
+            _packed.check_packed_grads(grads, params)  # before the trace: nothing donated
         if extra_args and type(self).update is Optimizer.update:
             self._refuse_extra_args(extra_args)  # before the trace: nothing donated, no JAX frames in the message
         try:
@@ -503,6 +517,17 @@ class Optimizer:
         # Params without state: created outside jit, as TF's optimizers create missing slots; then the step.
         state = self.init(params, state, reinitialize_slots=reinitialize_slots)
         return _step.apply_jitted(self, grads, params, state, step, global_step, extra_args)
+
+    def _init_packed(self, params: Packed, state: OptimizerState | None, stepped: Any,
+                     reinitialize_slots: bool) -> OptimizerState:
+        """`init` for packed params: the slots of the packed ones in buffers laid out as the param buffers."""
+        if stepped is not None:
+            raise TypeError(f"{type(self).__name__}.init: packed params (varstate.pack) are all stepped together "
+                            "(one computation per buffer): stepped= does not apply; pass it for unpacked params.")
+        made = self.init(params.unpack(), state, fused=False, reinitialize_slots=reinitialize_slots)
+        names = [n for n in self._slot_inits() if n in made._stored]
+        stored, packed = _packed.pack_as(made._stored, names, params)
+        return OptimizerState(stored, made.non_slots, packed, made._traced)
 
     def _bound(self, state: OptimizerState) -> Self:
         """This optimizer as its step runs it: traced fields read from `state` (`_traced.bind`); else itself."""

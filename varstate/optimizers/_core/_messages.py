@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from varstate._pack import Packed
 from varstate.optimizers._core._state import OptimizerState
 
 # Keras (and tf.keras) keywords whose TF v1 counterpart is spelled too differently for difflib to find.
@@ -136,6 +137,13 @@ def check_arguments(opt: Any, verb: str, params: Any, grads: Any = None, state: 
     >>> check_arguments(Adam(0.1), "init", {"w": 1.0})  # plain pytrees pass
     """
     name, given, optax_form = _owner(opt)
+    if isinstance(params, Packed) and not getattr(opt, "_elementwise", True):
+        raise TypeError(
+            f"{name}.{verb}: params are packed (varstate.pack), but {name}'s step is not elementwise (it reduces "
+            "over each whole variable, or is an optax transformation): one computation over a buffer of many "
+            f"params would mix them. Step the unpacked params (packed.unpack()) with {name}, or use an elementwise "
+            "optimizer (Adam, SGD, ...)."
+        )
     if isinstance(params, OptimizerState):
         raise TypeError(
             f"{name}.{verb}: params is an OptimizerState: the arguments are (grads, params, state), where optax's "

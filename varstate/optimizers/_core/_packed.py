@@ -32,6 +32,7 @@ import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import Tracer
+from varstate._pack import Packed
 from varstate._variable import Variable
 from varstate.optimizers._core._matching import (
     array_of,
@@ -315,3 +316,77 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
     slots = {**state._stored, **{k: PackedTree.build(p_def, new_stored[k], state._stored[k].layout) for k in names}}
     buffers_out = {k: tuple(b) for k, b in buffers.items()}
     return p_def.unflatten(new_p), type(state)(slots, new_state.non_slots, buffers_out, new_state._traced)
+
+
+# --- packed params (`varstate.pack`) -------------------------------------------------------------------------------
+def pack_as(slots: dict[str, Any], names: list[str], params: Packed) -> tuple[dict, dict]:
+    """`slots` (per-variable trees of ``params.unpack()``'s structure) packed as `params` are: (stored, packed).
+
+    Each slot buffer is laid out as its param buffer (same groups and offsets), so a step updates a param buffer
+    and its slot buffers with one computation.
+    """
+    layout = params.layout
+    p_def = layout.p_def
+    stored, packed = dict(slots), {}
+    for n in names:
+        leaves = list(p_def.flatten_up_to(slots[n]))
+        buffers = []
+        for g, members in enumerate(layout.starts):
+            parts = []
+            for i, offset, _ in members:
+                s = leaves[i]
+                value = array_of(s)
+                parts.append(value)
+                spec = jax.ShapeDtypeStruct(value.shape, value.dtype)  # the slot Variable's own value is unused
+                leaves[i] = PackedSlot(g, offset, value.shape, s._with_value(spec) if isinstance(s, Variable) else None)
+            buffers.append(_concat(parts, params.buffers[g]))
+        for i, place in enumerate(layout.places):  # a tied weight's one slot, at every place
+            if place is not None and not isinstance(leaves[i], PackedSlot):
+                leaves[i] = leaves[layout.places.index(place)]
+        stored[n], packed[n] = PackedTree.build(p_def, leaves), tuple(buffers)
+    return stored, packed
+
+
+def packed_like(state: Any, params: Packed) -> bool:
+    """Whether `state`'s slots are packed as `params` are (`pack_as`): every slot name, in the params' groups."""
+    layout = params.layout
+    return all(n in state.packed and state._stored[n].layout.p_def == layout.p_def
+               and len(state.packed[n]) == layout.n_groups for n in state._stored)
+
+
+def check_packed_grads(grads: Any, params: Packed) -> None:
+    """ValueError unless `grads` are packed as `params` are (the gradients with respect to the `Packed`)."""
+    if not isinstance(grads, Packed) or grads.layout is not params.layout:
+        raise ValueError(
+            f"apply_gradients: params are packed (varstate.pack) but grads are {type(grads).__name__}"
+            f"{' of another layout' if isinstance(grads, Packed) else ''}: take the gradients with respect to the "
+            "Packed itself, e.g. jax.grad(lambda p: loss(p.unpack()))(packed), so that they come out packed alike."
+        )
+
+
+def packed_update(update: Any, grads: Any, params: Packed, state: Any, step: Any, extra: dict) -> tuple[Any, Any]:
+    """`update` (an optimizer's) over packed params: one computation per buffer, the unpacked params as they are.
+
+    `update` sees the params left unpacked, then one plain-array param per buffer whose slots are the state's
+    slot buffers of that group.
+    """
+    layout = params.layout
+    check_packed_grads(grads, params)
+    names = list(state.packed)
+    loose_at = [i for i, place in enumerate(layout.places) if place is None]
+    n = len(loose_at)
+    v_params = [*params.loose, *params.buffers]
+    v_grads = [*grads.loose, *grads.buffers]
+    v_slots = {k: [*(state._stored[k].leaves()[i] for i in loose_at), *state.packed[k]] for k in names}
+    flat = type(state)(v_slots, state.non_slots, None, state._traced)
+    new_v, new_state = update(v_grads, v_params, flat, step, **extra)
+    stored = dict(state._stored)
+    for k in names:
+        leaves = state._stored[k].leaves()
+        for j, i in enumerate(loose_at):
+            leaves[i] = new_state.slots[k][j]
+        stored[k] = PackedTree.build(layout.p_def, leaves, state._stored[k].layout)
+    buffers = {k: tuple(new_state.slots[k][n:]) for k in names}
+    new_params = Packed(tuple(cast_like(b, old) for b, old in zip(new_v[n:], params.buffers, strict=True)),
+                        tuple(new_v[:n]), layout)
+    return new_params, type(state)(stored, new_state.non_slots, buffers, new_state._traced)

@@ -16,8 +16,10 @@ class _PerVariable(KerasOptimizer):
     """A Keras optimizer whose step reduces over each whole variable (a norm, a matrix product): never fused.
 
     A fused state hands the step many params packed into one flat buffer, so
-    a norm would run over all of them; `init` refuses it.
+    a norm would run over all of them; `init` refuses it, and packed params (`varstate.pack`).
     """
+
+    _elementwise: ClassVar[bool] = False
 
     def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
              fused: bool | None = None, reinitialize_slots: bool = False) -> OptimizerState:
