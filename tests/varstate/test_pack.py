@@ -161,6 +161,9 @@ def test_errors_say_what_and_the_fix():
     other = varstate.pack(_model("f", n=2))
     with pytest.raises(ValueError, match=r"but grads are Packed of another layout"):
         opt.apply_gradients(jax.tree.map(jnp.zeros_like, other), packed, state)
+    with pytest.raises(TypeError, match=r"Adam.init: params hold a Packed \(varstate.pack\) inside other containers; "
+                                        r"a Packed must be the whole params"):
+        opt.init({"packed": packed, "emb": Variable(jnp.ones((4, 2)), name="emb")})
     with pytest.raises(TypeError, match=r"Adam.init: packed params \(varstate.pack\) are all stepped together"):
         opt.init(packed, stepped=lambda path: True)
     with pytest.raises(ValueError, match=r"varstate.pack: params hold traced values; pack them outside jit"):

@@ -268,6 +268,12 @@ class Optimizer:
         if isinstance(params, Packed):
             return self._init_packed(params, state, stepped, reinitialize_slots)
         flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)
+        if any(isinstance(x, Packed) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Packed))):
+            raise TypeError(
+                f"{type(self).__name__}.init: params hold a Packed (varstate.pack) inside other containers; a Packed "
+                "must be the whole params (its buffers are stepped as they are laid out): pack the whole tree, or "
+                "step the packed part and the rest with two states."
+            )
         leaves, paths = [x for _, x in flat], [p for p, _ in flat]
         owners = owner_positions(leaves)
         existing = Existing(state, p_def, paths)
