@@ -148,7 +148,7 @@ class Packed:
                     raise ValueError(f"Packed.repacked: {what} must have shape {layout.places[i][2]}, as packed; "
                                      f"got {tuple(value.shape)}.")
                 parts.append(value.reshape(-1).astype(self.buffers[g].dtype))
-            buffers.append(_joined(parts, self.buffers[g]))
+            buffers.append(joined(parts, self.buffers[g]))
         return Packed(tuple(buffers), tuple(loose), layout)
 
     def __repr__(self) -> str:
@@ -160,12 +160,17 @@ def _is_var(x: Any) -> bool:
     return isinstance(x, Variable)
 
 
-def _joined(parts: list, like: Any) -> Any:
-    """`parts` (1-D) as one buffer placed as `like`; on the host when concrete (one copy, no kernel per layout)."""
-    if any(isinstance(p, jax.core.Tracer) for p in [*parts, like]) or not all(
-            isinstance(p, jax.Array) and p.is_fully_addressable for p in parts):
-        return jnp.concatenate(parts)
-    host = np.concatenate([np.asarray(p) for p in parts])
+def joined(parts: list, like: Any) -> Any:
+    """`parts` raveled into one buffer, placed as `like` is (committed only if it is).
+
+    Joined on the host when the parts are addressable: an eager `jnp.concatenate`
+    compiles a kernel per layout, 2.6 s for 1,000 operands on CPU, where
+    copying the bytes takes a millisecond.
+    """
+    if any(isinstance(p, jax.core.Tracer) or not p.is_fully_addressable for p in [*parts, like]):
+        out = jnp.concatenate([p.reshape(-1) for p in parts])
+        return out if isinstance(like, jax.core.Tracer) else jax.device_put(out, like.sharding)
+    host = np.concatenate([np.asarray(p).reshape(-1) for p in parts])
     return jax.device_put(host, like.sharding) if like.committed else jnp.asarray(host)
 
 
@@ -241,7 +246,7 @@ def pack(params: Any) -> Packed:
             parts.append(value.reshape(-1))
             offset += value.size
         like = leaves[members[0]]
-        buffers.append(_joined(parts, like.value if isinstance(like, Variable) else like))
+        buffers.append(joined(parts, like.value if isinstance(like, Variable) else like))
     for i, x in enumerate(leaves):
         if isinstance(x, Variable) and places[first[x.resource_id]] is not None:
             places[i] = places[first[x.resource_id]]
