@@ -96,7 +96,8 @@ class Packed:
             shapes = [layout.places[i][2] for i, _, _ in members]
             if len(members) == 1:
                 parts = [buffer.reshape(shapes[0])]
-            elif isinstance(buffer, jax.core.Tracer) or not buffer.is_fully_addressable:
+            elif not isinstance(buffer, jax.Array) or isinstance(buffer, jax.core.Tracer) or (
+                    not buffer.is_fully_addressable):
                 # One split: under jax.grad its transpose is one concatenation.
                 parts = [p.reshape(s) for p, s in zip(
                     jnp.split(buffer, [offset for _, offset, _ in members[1:]]), shapes, strict=True)]

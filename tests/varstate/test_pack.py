@@ -42,6 +42,8 @@ def test_the_leaves_are_the_buffers_and_unpack_gives_the_variables_with_their_id
         assert unpacked[k].resource_id == v.resource_id and unpacked[k].name == v.name
         np.testing.assert_array_equal(unpacked[k].value, v.value)
     assert unpacked["frozen"] is params["frozen"] and unpacked["step"] is params["step"]  # left as they are
+    on_host = jax.tree.map(np.asarray, packed).unpack()  # buffers of another kind (a numpy copy) unpack too
+    np.testing.assert_array_equal(on_host["w1"].value, params["w1"].value)
 
 
 def test_a_tied_weight_is_one_slice_and_its_gradients_add_up():
