@@ -15,7 +15,7 @@ Rules:
   Variables are made on access, each with its name, identity and slots;
 - the `PackLayout` is one object shared by every version of a `Packed`
   (steps, restores), so jit's cache checks stay one identity comparison;
-- a param is packed when it is a trainable, floating-point Variable or array
+- a param is packed when it is a trainable, floating-point (real or complex) Variable or array
   on one device or replicated; the rest (sharded, integer, non-trainable)
   stays as it is, beside the buffers;
 - a view is a value, not a reference: ``v.assign(x)`` returns a new version
@@ -175,14 +175,13 @@ def joined(parts: list, like: Any) -> Any:
     return jax.device_put(host, like.sharding) if like.committed else jnp.asarray(host)
 
 
-def _group_key(x: Any) -> tuple | None:
-    """(dtype, sharding) of a param that can be packed, else None."""
+def group_key(x: Any) -> tuple | None:
+    """(dtype, sharding) of a param that can share a buffer (`pack`; a fused state's slots), else None: not
+    trainable, empty, not floating (real or complex), or sharded (a buffer cannot keep a sharding of its own)."""
     if isinstance(x, Variable) and not x.trainable:
         return None
     value = x.value if isinstance(x, Variable) else x
-    if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer) or value.size == 0:
-        return None
-    if not jnp.issubdtype(value.dtype, jnp.floating):
+    if not isinstance(value, jax.Array) or value.size == 0 or not jnp.issubdtype(value.dtype, jnp.inexact):
         return None
     sharding = value.sharding
     if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
@@ -200,7 +199,7 @@ def pack(params: Any) -> Packed:
     per dtype in and out of the program. Variables keep their names,
     identities, slots (``state.get_slot``) and checkpoint keys: a checkpoint
     of a `Packed` holds each variable under its own key, exactly as unpacked.
-    Packed are the trainable floating-point params on one device or
+    Packed are the trainable floating-point (real or complex) params on one device or
     replicated; others stay as they are. Optimizers whose step is not
     elementwise (Keras's Adafactor, Lamb and Muon; optax transformations)
     refuse packed params.
@@ -234,7 +233,7 @@ def pack(params: Any) -> Packed:
     for i, x in enumerate(leaves):
         if isinstance(x, Variable) and first.setdefault(x.resource_id, i) != i:
             continue
-        key = _group_key(x)
+        key = group_key(x)
         if key is not None:
             groups.setdefault(key, []).append(i)
     places: list[Any] = [None] * len(leaves)

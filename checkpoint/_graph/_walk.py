@@ -185,8 +185,6 @@ def rebuild(obj: Any, fn, where: str = "an object") -> Any:
     parts = nnx_split(obj)
     if parts is not None:  # a new Module from the new state: shared Variables stay shared, as nnx.merge keeps them
         return nnx_merge(parts[0], rebuild(parts[1], fn, where))
-    if isinstance(obj, Packed):  # its params rebuilt, packed again in its layout
-        return obj.repacked(rebuild(obj.unpack(), fn, where))
     nnx = _nnx()
     pairs, treedef = _flatten_one(obj, where)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from varstate._indexed_slices import IndexedSlices
-from varstate._pack import Packed, joined
+from varstate._pack import Packed, group_key, joined
 from varstate._variable import Variable
 from varstate.optimizers._core._matching import (
     array_of,
@@ -149,18 +149,12 @@ def is_slot_leaf(x: Any) -> bool:
 
 
 def _group_key(p: Any) -> tuple | None:
-    """(dtype, sharding) of a param whose slots can be packed, else None (too large, sharded, not trainable)."""
-    if isinstance(p, Variable) and not p.trainable:
-        return None
+    """(dtype, sharding) of a param whose slots can be packed, else None: too large, or not packable by
+    `varstate.pack`'s rule (sharded, not trainable, not floating)."""
     value = array_of(p)
-    if not isinstance(value, jax.Array) or value.size > FUSE_MAX_SIZE or value.size == 0:
+    if isinstance(value, jax.Array) and value.size > FUSE_MAX_SIZE:
         return None
-    if not jnp.issubdtype(value.dtype, jnp.inexact):
-        return None
-    sharding = value.sharding
-    if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
-        return None  # a sharded param's slots keep its sharding, which a packed buffer could not
-    return np.dtype(value.dtype), sharding
+    return group_key(p)
 
 
 def pack(slots: dict[str, Any], names: list[str], p_leaves: list, p_def: Any, owners: list[int]) -> tuple[dict, dict]:
@@ -174,10 +168,29 @@ def pack(slots: dict[str, Any], names: list[str], p_leaves: list, p_def: Any, ow
         key = _group_key(p)
         if key is not None and owners[i] == i and all(flat[n][i] is not None for n in names):
             groups.setdefault(key, []).append(i)
+    return _in_buffers(slots, names, p_def, list(groups.values()), owners)
+
+
+def pack_as(slots: dict[str, Any], names: list[str], params: Packed) -> tuple[dict, dict]:
+    """`slots` (per-variable trees of ``params.unpack()``'s structure) packed as `params` are: (stored, packed).
+
+    Each slot buffer is laid out as its param buffer (same groups and offsets), so a step updates a param buffer
+    and its slot buffers with one computation.
+    """
+    layout = params.layout
+    first: dict[tuple, int] = {}
+    owners = [i if place is None else first.setdefault(place, i) for i, place in enumerate(layout.places)]
+    return _in_buffers(slots, names, layout.p_def, [[i for i, _, _ in m] for m in layout.starts], owners)
+
+
+def _in_buffers(slots: dict[str, Any], names: list[str], p_def: Any, groups: list[list[int]],
+                owners: list[int]) -> tuple[dict, dict]:
+    """`slots` with the `names` slots of each group's members (leaf positions, in buffer order) in one buffer per
+    group: (stored, packed). A tied weight's later places take its first place's marker."""
     stored, packed = dict(slots), {}
     for n in names:
-        leaves, buffers = list(flat[n]), []
-        for g, members in enumerate(groups.values()):
+        leaves, buffers = list(p_def.flatten_up_to(slots[n])), []
+        for g, members in enumerate(groups):
             offset, parts = 0, []
             for i in members:
                 s = leaves[i]
@@ -304,34 +317,6 @@ def fused_update(update: Any, grads: Any, params: Any, state: Any, step: Any, ex
 
 
 # --- packed params (`varstate.pack`) -------------------------------------------------------------------------------
-def pack_as(slots: dict[str, Any], names: list[str], params: Packed) -> tuple[dict, dict]:
-    """`slots` (per-variable trees of ``params.unpack()``'s structure) packed as `params` are: (stored, packed).
-
-    Each slot buffer is laid out as its param buffer (same groups and offsets), so a step updates a param buffer
-    and its slot buffers with one computation.
-    """
-    layout = params.layout
-    p_def = layout.p_def
-    stored, packed = dict(slots), {}
-    for n in names:
-        leaves = list(p_def.flatten_up_to(slots[n]))
-        buffers = []
-        for g, members in enumerate(layout.starts):
-            parts = []
-            for i, offset, _ in members:
-                s = leaves[i]
-                value = array_of(s)
-                parts.append(value)
-                spec = jax.ShapeDtypeStruct(value.shape, value.dtype)  # the slot Variable's own value is unused
-                leaves[i] = PackedSlot(g, offset, value.shape, s._with_value(spec) if isinstance(s, Variable) else None)
-            buffers.append(joined(parts, params.buffers[g]))
-        for i, place in enumerate(layout.places):  # a tied weight's one slot, at every place
-            if place is not None and not isinstance(leaves[i], PackedSlot):
-                leaves[i] = leaves[layout.places.index(place)]
-        stored[n], packed[n] = PackedTree.build(p_def, leaves), tuple(buffers)
-    return stored, packed
-
-
 def packed_like(state: Any, params: Packed) -> bool:
     """Whether `state`'s slots are packed as `params` are (`pack_as`): every slot name, in the params' groups."""
     layout = params.layout

@@ -9,7 +9,7 @@ import jax
 
 from varstate._jax_compat import ArrayImpl, container_registry
 from varstate._variable import Variable, version, versions
-from varstate.optimizers._core import _packed
+from varstate.optimizers._core import _packed, _traced
 
 
 class OptimizerState:
@@ -153,8 +153,6 @@ class OptimizerState:
         >>> float(state.with_hyperparameters(learning_rate=0.25).hyperparameters["learning_rate"])
         0.25
         """
-        from varstate.optimizers._core import _traced
-
         traced, non_slots = dict(self._traced), dict(self.non_slots)
         for name, value in values.items():
             where = f"OptimizerState.with_hyperparameters({name}=...)"
