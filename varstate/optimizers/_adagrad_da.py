@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -17,7 +16,7 @@ from varstate.optimizers._proximal_math import (
     _float_options,
     _one_element_rows,
     _pair_div,
-    _shrinks,
+    _per_l1,
     _two_prod,
     _two_sum,
 )
@@ -135,11 +134,7 @@ class AdagradDA(Optimizer):
         return lr, l1, l2, t
 
     def _by_l1(self, with_l1, without):
-        """TF's two forms, chosen by its ``l1 > 0`` on the float32 value (per value where l1 is traced)."""
-        shrink = _shrinks(self.l1_regularization_strength)
-        if isinstance(shrink, bool):
-            return with_l1() if shrink else without()
-        return jax.tree.map(lambda a, b: jnp.where(shrink, a, b), with_l1(), without())
+        return _per_l1(self.l1_regularization_strength, with_l1, without)
 
     def _dense(self, h, grad, var, slots, non_slots):
         lr, l1, l2, t = self._scalars(h, var.dtype)

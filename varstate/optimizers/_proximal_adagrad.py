@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._rows import as_dtype, update_rows
-from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _one_element_rows, _shrinks
+from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _one_element_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +76,8 @@ class ProximalAdagrad(Optimizer):
             lr_t = lr / jnp.sqrt(accum)
         else:  # TF says lr * rsqrt(accum); its correctly rounded form is 1 / sqrt (see Adagrad)
             lr_t = lr * (1 / jnp.sqrt(accum))
-        shrink = _shrinks(self.l1_regularization_strength)
-        return _fobos(var - grad * lr_t, lr_t * l1, l2 * lr_t, shrink, wide), {"accumulator": accum}
+        new = _fobos(var - grad * lr_t, lr_t * l1, l2 * lr_t, self.l1_regularization_strength, wide)
+        return new, {"accumulator": accum}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
         wide = _one_element_rows(var)

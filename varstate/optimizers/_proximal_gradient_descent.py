@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._rows import as_dtype, update_rows
-from varstate.optimizers._proximal_math import _float_options, _fobos, _one_element_rows, _shrinks
+from varstate.optimizers._proximal_math import _float_options, _fobos, _one_element_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +55,7 @@ class ProximalGradientDescent(Optimizer):
         dtype = var.dtype
         lr = as_dtype(h["learning_rate"], dtype)
         l1, l2 = as_dtype(self.l1_regularization_strength, dtype), as_dtype(self.l2_regularization_strength, dtype)
-        shrink = _shrinks(self.l1_regularization_strength)
-        return _fobos(var - grad * lr, lr * l1, l2 * lr, shrink, wide), slots
+        return _fobos(var - grad * lr, lr * l1, l2 * lr, self.l1_regularization_strength, wide), slots
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
         wide = _one_element_rows(var)

@@ -17,8 +17,10 @@ the exact result lies within about 2^-20 ulp of a float32 rounding boundary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -116,21 +118,20 @@ def _div_one_plus(x: Array, c: Array) -> Array:
     return _pair_div(x, jnp.zeros_like(x), bh, bl)
 
 
-def _shrinks(l1: Any) -> Any:
-    """TF's ``l1 > 0`` test (in float32): a bool, or a traced one for a traced `l1`."""
+def _per_l1(l1: Any, with_l1: Callable[[], Any], without: Callable[[], Any]) -> Any:
+    """TF's two forms of a step, chosen by its ``l1 > 0`` on the float32 value; per value (``jnp.where`` over
+    both) where `l1` is traced, since a traced value may change."""
     if varies(l1):
-        return as_dtype(l1, jnp.float32) > 0
-    return bool(np.float32(l1) > 0)
+        shrink = as_dtype(l1, jnp.float32) > 0
+        return jax.tree.map(lambda a, b: jnp.where(shrink, a, b), with_l1(), without())
+    return with_l1() if np.float32(l1) > 0 else without()
 
 
-def _fobos(prox: Array, threshold: Array, c: Array, shrink: Any, wide: bool) -> Array:
+def _fobos(prox: Array, threshold: Array, c: Array, l1: Any, wide: bool) -> Array:
     """TF's proximal step on ``prox = var - lr * grad``: ``sign(prox) * max(|prox| - threshold, 0) / (1 + c)``.
 
-    Without L1 (``shrink`` False, TF's ``l1 > 0`` test) it is ``prox / (1 + c)``. ``wide``: the
+    Without L1 (TF's ``l1 > 0`` test, `_per_l1`) it is ``prox / (1 + c)``. ``wide``: the
     division is in double, as in TF's kernels for rows of one element.
     """
-    if isinstance(shrink, bool):
-        x = jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - threshold, 0) if shrink else prox
-    else:  # a traced l1: TF's test per value
-        x = jnp.where(shrink, jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - threshold, 0), prox)
+    x = _per_l1(l1, lambda: jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - threshold, 0), lambda: prox)
     return _div_one_plus(x, c) if wide else divide(x, 1 + c)

@@ -48,8 +48,13 @@ class SGD(KerasOptimizer):
 
     _floats: ClassVar[tuple[str, ...]] = ("momentum",)
 
+    @property
+    def _with_momentum(self) -> bool:
+        """Keras keeps a momentum slot and step for a non-zero momentum; a traced one may change: always."""
+        return varies(self.momentum) or self.momentum != 0
+
     def _slot_groups(self):
-        return (("momentum",),) if varies(self.momentum) or self.momentum != 0 else ()  # traced: kept
+        return (("momentum",),) if self._with_momentum else ()
 
     def _step(self, lr, var, slots, non_slots, summed):
         mom = as_dtype(self.momentum, var.dtype)
@@ -59,12 +64,12 @@ class SGD(KerasOptimizer):
         return var, {"momentum": m}
 
     def _step_dense(self, lr, grad, var, slots, non_slots):
-        if not varies(self.momentum) and self.momentum == 0:
+        if not self._with_momentum:
             return var - grad * lr, {}
         return super()._step_dense(lr, grad, var, slots, non_slots)
 
     def _step_sparse(self, lr, values, indices, var, slots, non_slots):
-        if not varies(self.momentum) and self.momentum == 0:
+        if not self._with_momentum:
             return scatter_sub(var, indices, values * lr), {}
         return super()._step_sparse(lr, values, indices, var, slots, non_slots)
 
@@ -109,9 +114,14 @@ class RMSprop(KerasOptimizer):
 
     _floats: ClassVar[tuple[str, ...]] = ("rho", "momentum", "epsilon")
 
+    @property
+    def _with_momentum(self) -> bool:
+        """Keras keeps a momentum slot and step for a positive momentum; a traced one may change: always."""
+        return varies(self.momentum) or self.momentum > 0
+
     def _slot_groups(self):
         groups = [("velocity",)]
-        if varies(self.momentum) or self.momentum > 0:  # traced: the momentum slot and path serve every value
+        if self._with_momentum:
             groups.append(("momentum",))
         if self.centered:
             groups.append(("average_gradient",))
@@ -129,7 +139,7 @@ class RMSprop(KerasOptimizer):
         new = {}
         den = self._denominator(var.dtype, slots, new, lambda f: f(grad))
         inc = (lr * grad) / jnp.sqrt(den)
-        if varies(self.momentum) or self.momentum > 0:
+        if self._with_momentum:
             mom = new["momentum"] = const(self.momentum, var.dtype) * slots["momentum"] + inc
             return var - mom, new
         return var - inc, new
@@ -138,7 +148,7 @@ class RMSprop(KerasOptimizer):
         new, shape = {}, var.shape
         den = self._denominator(var.dtype, slots, new, lambda f: densify(f(values), indices, shape))
         inc = (lr * values) / gather_rows(jnp.sqrt(den), indices)
-        if varies(self.momentum) or self.momentum > 0:
+        if self._with_momentum:
             mom = new["momentum"] = const(self.momentum, var.dtype) * slots["momentum"] + densify(inc, indices, shape)
             return var - mom, new
         return scatter_sub(var, indices, inc), new
