@@ -524,3 +524,33 @@ def test_a_two_block_index_that_tensorflow_read_is_still_what_we_write(tmp_path)
     write_bundle(tmp_path / "many", tensors)
     with open(str(tmp_path / "many") + ".index", "rb") as f:
         assert f.read() == index
+
+
+def test_small_values_stored_back_to_back_are_read_in_one_pread_and_checked_each(tmp_path, monkeypatch):
+    # Values of odd sizes and mixed dtypes, so most start off a 64-byte boundary inside the shared read.
+    rng = np.random.default_rng(0)
+    values = {f"v{i:02d}": rng.standard_normal(i + 1).astype(dtype)
+              for i, dtype in enumerate([np.float32, np.int16, np.int8, np.complex64, np.float16] * 8)}
+    values["flag"] = np.array([True, False, True])
+    prefix = str(tmp_path / "ckpt")
+    write_bundle(prefix, values)
+    reader = BundleReader(prefix)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: reads.append(offset) or real(fd, bufs, offset))
+    got = reader.get_many({k: one for k in values})
+    assert len(reads) == 1  # 41 values, under 2 KB: one group, stored back to back
+    for k, v in values.items():
+        assert isinstance(got[k], jax.Array) and got[k].dtype == v.dtype
+        np.testing.assert_array_equal(np.asarray(got[k]), v)
+    # A flipped byte in one value of the run is caught as that value's, and nothing is returned.
+    entry = reader.entry("v17")
+    with open(prefix + ".data-00000-of-00001", "r+b") as f:
+        f.seek(entry.offset + 1)
+        byte = f.read(1)
+        f.seek(entry.offset + 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointFormatError, match=r"data-00000-of-00001: key 'v17': checksum mismatch \(the data "
+                                                   r"file is corrupt\); copy it again from its source$"):
+        BundleReader(prefix).get_many({k: one for k in values})

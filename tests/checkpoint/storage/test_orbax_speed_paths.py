@@ -130,7 +130,8 @@ def test_a_large_value_read_onto_a_sharding_fails_its_checksum_before_it_is_plac
         json.dump(_orbax.seal(meta), f)
     placed = []
     real_put = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: placed.append(np.asarray(x)[:1]) or real_put(x, *a, **k))
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: placed.extend(  # one host or a list (place_many)
+        np.asarray(h)[:1] for h in (x if isinstance(x, list) else [x])) or real_put(x, *a, **k))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     want = crc32c(values["w1"]) ^ 1
     with pytest.raises(checkpoint.DataLossError, match=rf"^Checkpoint '{path}': checksum mismatch for '{key}' \(crc32c "
