@@ -15,7 +15,7 @@ donated step; lazy against dense Adam on a large embedding table.
 Last, the sweep row: 8 learning rates as one vmapped, jitted step over stacked runs (``traced``) against a
 Python loop over 8 optimizers, wall time and compiles. ``--accelerator-rows`` runs only the rows issue 15 asks
 of a GPU (see benchmarks/gpu.sh); ``--default-path`` only the default path's rows (about 3 minutes);
-``--sweep`` only the sweep row.
+``--sweep`` only the sweep row; ``--first-step`` only the first-step row (a fresh process per contender).
 """
 
 from __future__ import annotations
@@ -419,7 +419,64 @@ def sweep_row():
           f"gradient each), loop/vmapped {lp / vm:.1f}x")
 
 
+_FIRST_STEP_CHILD = r"""
+import sys, time
+import jax, jax.numpy as jnp, optax
+import varstate
+from varstate.optimizers import Adam
+contender, count = sys.argv[1], int(sys.argv[2])
+grads = {f"p{i}": jnp.full((16, 4), 0.01) for i in range(count)}
+if contender == "optax.adam":
+    tx = optax.adam(1e-3)
+    @jax.jit
+    def update(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+    carry = ({f"p{i}": jnp.zeros((16, 4)) for i in range(count)},)
+    carry = (carry[0], tx.init(carry[0]))
+    step = lambda c: update(*c, grads)
+else:
+    opt = Adam(1e-3)
+    params = {f"p{i}": varstate.Variable(jnp.zeros((16, 4)), name=f"p{i}") for i in range(count)}
+    carry = (params, opt.init(params, fused=contender == "fused"))
+    step = lambda c: opt.apply_gradients(grads, *c)
+t0 = time.perf_counter()
+carry = jax.block_until_ready(step(carry))
+first = time.perf_counter() - t0
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(20):
+        carry = step(carry)
+    jax.block_until_ready(carry)
+    best = min(best, (time.perf_counter() - t0) / 20)
+print(first, best)
+"""
+
+
+def first_step_rows(count=1000, rounds=2):
+    """The first step (trace, compile, run) of Adam on `count` x 16x4 in a fresh process per contender
+    (unfused, fused, optax.adam), rounds interleaved; then the step time there. Prints the minimum of each."""
+    import subprocess
+
+    contenders = ("unfused", "fused", "optax.adam")
+    got: dict[str, list[tuple[float, float]]] = {c: [] for c in contenders}
+    for _ in range(rounds):
+        for c in contenders:
+            done = subprocess.run([sys.executable, "-c", _FIRST_STEP_CHILD, c, str(count)], capture_output=True,
+                                  text=True, check=True)
+            first, step = map(float, done.stdout.split()[-2:])
+            got[c].append((first, step))
+    ref = min(f for f, _ in got["optax.adam"])
+    print(f"first step (trace, compile, run) of Adam on {count} x 16x4 (dict), a fresh process each, min of {rounds}:")
+    for c in contenders:
+        first, step = min(f for f, _ in got[c]), min(s for _, s in got[c])
+        print(f"  {c:<11} first step {first:6.2f} s ({first / ref:.2f}x optax.adam's)   then {step * 1e3:6.2f} ms/step")
+
+
 def main():
+    if sys.argv[1:] == ["--first-step"]:
+        return first_step_rows()
     if sys.argv[1:] == ["--accelerator-rows"]:
         return accelerator_rows()
     if sys.argv[1:] == ["--sweep"]:
