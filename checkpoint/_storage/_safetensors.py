@@ -29,11 +29,11 @@ import numpy as np
 from checkpoint import _dtypes
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, replacing
+from checkpoint._storage._host import aligned_empty
 
 HEADER_LIMIT = 100 << 20  # the bound the safetensors package puts on a header
 INDEX_LIMIT = 64 << 20
 _MAX_RANK = 64
-ALIGN = 64  # bytes: what XLA's CPU client takes without a copy
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -86,14 +86,6 @@ def dtype_name(dtype: Any, where: str) -> str:
         raise ValueError(f"{where}: dtype {np.dtype(dtype)} has no safetensors equivalent (it stores "
                          f"{', '.join(str(d) for d in NAMES)}); cast the value before saving it.")
     return name
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A C-contiguous array whose data starts on an `ALIGN`-byte boundary."""
-    n = math.prod(shape) * dtype.itemsize
-    raw = np.empty(n + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start:start + n].view(dtype).reshape(shape)
 
 
 def _short(x: Any) -> str:
