@@ -289,7 +289,9 @@ def tf_tensors(values: dict[str, Any], object_graph: bytes) -> dict[str, Any]:
                 )
             tensors[key] = np.asarray(v, np.int64 if type(v) is int else None)
         else:
-            tensors[key] = np.asarray(v)  # a jax.Array copies itself to the host (on CPU: shares its buffer)
+            # An array as it is: the writer reads each to the host as it writes it (on CPU it shares the buffer),
+            # so on an accelerator the host holds one value at a time, plus what start_bundle's `staging` copies.
+            tensors[key] = v
     tensors[_keys.OBJECT_GRAPH_KEY] = object_graph
     return tensors
 

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -127,3 +128,33 @@ def test_max_staging_bytes_errors(tmp_path):
                                          r"asynchronous save holds, and async_save is False \(a save then copies "
                                          r"nothing\); pass async_save=True, or leave max_staging_bytes out\.$"):
         checkpoint.CheckpointManager(str(tmp_path), max_staging_bytes=1024)
+
+
+class _DeviceArray:
+    """Stands for an accelerator's jax.Array: each read to the host makes a new host copy, and `host` records
+    the bytes of copies alive at each read (on CPU a jax.Array shares its buffer: no copy to see)."""
+
+    def __init__(self, value, host):
+        self.value, self.host = value, host
+        self.shape, self.dtype, self.nbytes = value.shape, value.dtype, value.nbytes
+
+    def __array__(self, dtype=None, copy=None):
+        alive = [c for c in (r() for r in self.host["copies"]) if c is not None]
+        self.host["peaks"].append(sum(c.nbytes for c in alive))
+        out = np.array(self.value, dtype=dtype)
+        self.host["copies"].append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("staging", [None, 2 * 4 * N])
+def test_tf_format_reads_each_array_to_the_host_as_it_writes_it(tmp_path, staging):
+    # Before, every value was copied to the host before the first was written: the whole checkpoint at once.
+    host: dict = {"copies": [], "peaks": []}
+    values = {KEY.format(i): _DeviceArray(np.full(N, float(i), np.float32), host) for i in range(6)}
+    tensors = _bundle_writer.tf_tensors(values, b"graph")
+    _bundle_writer.start_bundle(str(tmp_path / "ckpt"), tensors, staging)()
+    # Alive as a value is read: the staged copies and the value written just before it (bound until the next).
+    assert len(host["peaks"]) >= 6 and max(host["peaks"]) <= (staging or 0) + 4 * N
+    reader = checkpoint.read_checkpoint(str(tmp_path / "ckpt"))
+    for i in range(6):
+        np.testing.assert_array_equal(reader.get(KEY.format(i)), np.full(N, float(i), np.float32))
