@@ -15,6 +15,7 @@ machine kind (from the issue) are printed for reference; TF is not imported.
     .venv/bin/python -m benchmarks.checkpoint_io restore [MiB]       # the large restore row alone (default 2048)
     .venv/bin/python -m benchmarks.checkpoint_io save [MiB]          # the large save row alone (default 2048)
     .venv/bin/python -m benchmarks.checkpoint_io small               # the 1,500-array rows alone, both formats
+    .venv/bin/python -m benchmarks.checkpoint_io safetensors-small   # safetensors load of 1,500 arrays / 24 MiB
 
 The save row: 16 float32 arrays (2 GiB) saved by ours (both formats), orbax's StandardCheckpointer and one raw
 sequential write + fsync, a fresh process per contender (each writes once untimed first), peak RSS over the data.
@@ -238,8 +239,8 @@ print(seconds, rss("VmHWM:") - before, total)
 ST_CONTENDERS = ("ours numpy", "ours jax", "safetensors numpy", "safetensors flax")
 
 
-def safetensors_row(total_bytes: int, root: str, rounds: int = 4) -> dict[str, tuple[float, float]]:
-    """{contender: (min seconds, peak RSS over the data)} for one file of 16 float32 arrays of `total_bytes`."""
+def safetensors_row(total_bytes: int, root: str, rounds: int = 4, count: int = 16) -> dict[str, tuple[float, float]]:
+    """{contender: (min seconds, peak RSS over the data)} for one file of `count` float32 arrays of `total_bytes`."""
     import subprocess
     import sys
 
@@ -247,7 +248,8 @@ def safetensors_row(total_bytes: int, root: str, rounds: int = 4) -> dict[str, t
 
     rng = np.random.default_rng(0)
     path = st.save(os.path.join(root, "model.safetensors"),
-                   {f"w{i:02d}": rng.standard_normal(total_bytes // 64, dtype=np.float32) for i in range(16)})
+                   {f"w{i:04d}": rng.standard_normal(total_bytes // 4 // count, dtype=np.float32)
+                    for i in range(count)})
     times: dict[str, list[float]] = {c: [] for c in ST_CONTENDERS}
     peaks: dict[str, list[float]] = {c: [] for c in ST_CONTENDERS}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -265,8 +267,9 @@ def safetensors_row(total_bytes: int, root: str, rounds: int = 4) -> dict[str, t
     return {c: (min(times[c]), min(peaks[c])) for c in ST_CONTENDERS}
 
 
-def print_safetensors(total_bytes: int, row: dict[str, tuple[float, float]]) -> None:
-    print(f"safetensors load, 16 float32 arrays / {total_bytes >> 20} MiB, one process per contender, min of rounds")
+def print_safetensors(total_bytes: int, row: dict[str, tuple[float, float]], count: int = 16) -> None:
+    print(f"safetensors load, {count:,} float32 arrays / {total_bytes >> 20} MiB, one process per contender, min of "
+          "rounds")
     print(f"{'contender':<20}{'seconds':>9}{'peak RSS/data':>15}{'vs ours jax':>13}")
     for c, (t, peak) in row.items():
         print(f"{c:<20}{t:>9.3f}{peak:>14.2f}x{t / row['ours jax'][0]:>12.2f}x")
@@ -308,7 +311,9 @@ def main():
     import sys
 
     rows = {"restore": (RESTORE_BYTES, restore_row, print_restore), "save": (RESTORE_BYTES, save_row, print_save),
-            "safetensors": (256 << 20, safetensors_row, print_safetensors)}
+            "safetensors": (256 << 20, safetensors_row, print_safetensors),
+            "safetensors-small": (SMALL[1], lambda size, root: safetensors_row(size, root, count=SMALL[0]),
+                                  lambda size, row: print_safetensors(size, row, SMALL[0]))}
     if sys.argv[1:2] and sys.argv[1] in rows:  # one row alone: `... checkpoint_io <row> [MiB]`
         _alone(sys.argv[1], *rows[sys.argv[1]])
         return
@@ -325,6 +330,7 @@ def main():
         small = small_rows(root)
         results["small"] = small["orbax"]
         st_row = safetensors_row(256 << 20, root)
+        st_small = safetensors_row(SMALL[1], root, count=SMALL[0])
         saving = save_row(RESTORE_BYTES, root)
         restore = restore_row(RESTORE_BYTES, root)
     finally:
@@ -351,6 +357,8 @@ def main():
     print_save(RESTORE_BYTES, saving)
     print()
     print_safetensors(256 << 20, st_row)
+    print()
+    print_safetensors(SMALL[1], st_small, SMALL[0])
     print()
     print_restore(RESTORE_BYTES, restore)
 

@@ -23,7 +23,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._crc import crc32c, mask
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, within
-from checkpoint._storage._host import aligned_empty, groups, place, place_many, read_ahead
+from checkpoint._storage._host import aligned_empty, place, place_many, read_grouped, read_runs
 from checkpoint._storage._table import read_table, read_varint
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
@@ -322,28 +322,10 @@ class BundleReader:
         return out
 
     def _read_group(self, keys: list[str], plans: dict[str, tuple]) -> list[np.ndarray]:
-        """`_read` of each key; keys stored back to back in one file are read with one pread (into one
-        buffer that their arrays view), as a call per small value costs more than its bytes."""
-        out: list[np.ndarray] = []
-        i = 0
-        while i < len(keys):
-            first, (fd, where), _, _ = plans[keys[i]]
-            end, j = first.offset + first.size, i + 1
-            while j < len(keys) and plans[keys[j]][1][0] == fd and plans[keys[j]][0].offset == end:
-                end += plans[keys[j]][0].size
-                j += 1
-            if j == i + 1:
-                out.append(self._read(keys[i], *plans[keys[i]]))
-            else:
-                run = aligned_empty((end - first.offset,), np.uint8)
-                pread_into(fd, run, first.offset, where)
-                for key in keys[i:j]:
-                    entry, (_, at), shape, dtype = plans[key]
-                    start = entry.offset - first.offset
-                    flat = self._checked(run[start:start + entry.size], entry, at, dtype)
-                    out.append(flat.view(dtype).reshape(shape))
-            i = j
-        return out
+        """Each key's value, checked; keys stored back to back are read with one pread (`read_runs`)."""
+        flats = read_runs([(plans[k][1][0], plans[k][0].offset, plans[k][0].size, plans[k][1][1]) for k in keys])
+        return [self._checked(flat, entry, where, dtype).view(dtype).reshape(shape)
+                for flat, (entry, (_, where), shape, dtype) in zip(flats, [plans[k] for k in keys], strict=True)]
 
     def _checked(self, flat: np.ndarray, entry, where: str, dtype: np.dtype) -> np.ndarray:
         """`flat` (a value's stored bytes) after its crc32c is checked, in native byte order (swapped in place)."""
@@ -393,10 +375,10 @@ class BundleReader:
 
         A value saved whole, in a plain dtype, for a sharding this process
         holds whole is read into the aligned buffer it is placed from (no
-        second host copy), in threads a few values ahead, each checksummed
-        there before it is placed; values under 1 MB go in groups (in file
-        order: a run stored back to back is one read, its values views of one
-        buffer) placed by one `device_put`. The rest come back on the host: the caller
+        second host copy), in threads a few values ahead (`read_grouped`),
+        each checksummed before it is placed; values under 1 MB go in
+        groups, in file order (a run stored back to back is one read, each
+        value in its own buffer), placed by one `device_put`. The rest come back on the host: the caller
         places them after reading the dtype each was stored in (a quantized
         TF dtype's tag, which a jax.Array would drop).
         """
@@ -410,7 +392,7 @@ class BundleReader:
             size = lambda k: plans[k][0].size
             read = lambda keys: self._read_group(keys, plans)
             in_file_order = sorted(direct, key=lambda k: (plans[k][0].shard_id, plans[k][0].offset))
-            for keys, hosts in read_ahead(groups(in_file_order, size), read, lambda keys: sum(map(size, keys))):
+            for keys, hosts in read_grouped(in_file_order, size, read):
                 out.update(zip(keys, place_many(hosts, [direct[k] for k in keys]), strict=True))
         return {k: out[k] if k in out else self.get(k) for k in requests}
 

@@ -106,13 +106,25 @@ def pread(fd: int, size: int, offset: int, where: str) -> bytes:
     return buf.tobytes()
 
 
-def pread_into(fd: int, buf: np.ndarray, offset: int, where: str) -> None:
-    done = 0
-    while done < buf.size:  # a single read can return less (e.g. over 2 GiB on Linux)
-        n = os.preadv(fd, [buf[done:]], offset + done)  # type: ignore[list-item]  # ndarray __buffer__: 3.12 stubs
+_IOV_MAX = 1024  # buffers one preadv takes (Linux's limit)
+
+
+def pread_into(fd: int, buf: np.ndarray | list[np.ndarray], offset: int, where: str) -> None:
+    """Fills `buf`, a uint8 array or a list of them stored back to back, with the bytes of `fd` from `offset`
+    (a list: each in its own buffer, with one system call per 1,024 of them)."""
+    pending = [b for b in ([buf] if isinstance(buf, np.ndarray) else buf) if b.size]
+    first = 0
+    while first < len(pending):  # a single read can return less (e.g. over 2 GiB on Linux)
+        n = os.preadv(fd, pending[first:first + _IOV_MAX], offset)  # type: ignore[arg-type]  # ndarray __buffer__: 3.12 stubs
         if n <= 0:
-            raise CheckpointFormatError(f"{where}: the file shrank while reading at offset {offset + done}")
-        done += n
+            raise CheckpointFormatError(f"{where}: the file shrank while reading at offset {offset}")
+        offset += n
+        while n and first < len(pending):  # the buffers filled, and the rest of one filled in part
+            if n >= pending[first].size:
+                n -= pending[first].size
+                first += 1
+            else:
+                pending[first], n = pending[first][n:], 0
 
 
 def inside(directory: str, path: str, where: str) -> str:

@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from checkpoint._storage._files import pread_into
+
 ALIGN = 64  # bytes: what XLA's CPU client takes without a copy
 READ_AHEAD = 256 << 20  # bytes of values read (and checksummed) ahead of the one being placed
 GROUP_BYTES = 1 << 20  # small values are read and placed in lists of about this many bytes (`groups`)
@@ -97,6 +99,31 @@ def groups(items: Iterable[T], nbytes: Callable[[T], int], limit: int = GROUP_BY
         yield group
 
 
+def read_runs(parts: list[tuple[int, int, int, str]]) -> list[np.ndarray]:
+    """The bytes of each ``(fd, offset, size, where)``, each in its own 64-byte-aligned uint8 buffer; parts stored
+    back to back in one file are read with one system call (a call per small value costs more than its bytes).
+    `where` names the first value of a run in the error of a file that shrank.
+
+    >>> import os, tempfile
+    >>> fd, name = tempfile.mkstemp()
+    >>> _ = os.write(fd, bytes(range(10)))
+    >>> [p.tolist() for p in read_runs([(fd, 0, 2, "a"), (fd, 2, 3, "b"), (fd, 8, 2, "c")])]
+    [[0, 1], [2, 3, 4], [8, 9]]
+    >>> os.close(fd); os.remove(name)
+    """
+    out = [aligned_empty((size,), np.uint8) for _, _, size, _ in parts]
+    i = 0
+    while i < len(parts):
+        fd, start, size, where = parts[i]
+        end, j = start + size, i + 1
+        while j < len(parts) and parts[j][0] == fd and parts[j][1] == end:
+            end += parts[j][2]
+            j += 1
+        pread_into(fd, out[i:j], start, where)
+        i = j
+    return out
+
+
 def _libc_trim() -> Callable[[int], int] | None:
     try:
         trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
@@ -120,6 +147,16 @@ def release_freed_memory() -> None:
     """
     if _TRIM is not None:
         _TRIM(0)
+
+
+def read_grouped(items: list[T], nbytes: Callable[[T], int],
+                 read: Callable[[list[T]], R]) -> Iterator[tuple[list[T], R]]:
+    """Yields (group, read(group)) over `items` in `groups`, in order, read in `read_ahead`'s threads.
+
+    >>> [r for _, r in read_grouped([1, 2, 3], lambda x: 8, sum)]
+    [6]
+    """
+    return read_ahead(groups(items, nbytes), read, lambda group: sum(map(nbytes, group)))
 
 
 def read_ahead(items: Iterable[T], read: Callable[[T], R], nbytes: Callable[[T], int]) -> Iterator[tuple[T, R]]:

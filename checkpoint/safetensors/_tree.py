@@ -195,7 +195,8 @@ class _TemplateReader:
         return self.st.get_into(key, sharding)
 
     def get_many(self, requests: dict[str, Any]) -> dict[str, Any]:
-        return {k: self.get(k) if s is None or k in self.extra else self.get_into(k, s) for k, s in requests.items()}
+        stored = self.st.get_many({k: s for k, s in requests.items() if k not in self.extra})
+        return {k: self.extra[k] if k in self.extra else stored[k] for k in requests}
 
 
 def _json(st: SafetensorsReader, key: str) -> dict[str, Any]:
@@ -322,8 +323,7 @@ def _as_dict(st: SafetensorsReader, sharding: Any) -> dict[str, Any]:
         raise TypeError(f"checkpoint.safetensors.load: without a template, sharding must be one "
                         f"jax.sharding.Sharding, found {type(sharding).__name__}")
     nested = st.metadata.get(NAMES_ARE_PATHS) == PATHS
-    values: dict[str, Any] = {name: st.get(name) if sharding is None else st.get_into(name, sharding)
-                              for name in st.keys()}
+    values: dict[str, Any] = st.get_many(dict.fromkeys(st.keys(), sharding))
     if not nested:
         return values
     values.update(_json(st, PYTHON))

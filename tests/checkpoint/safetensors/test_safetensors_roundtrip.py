@@ -19,6 +19,7 @@ import checkpoint
 import checkpoint.safetensors as st
 import varstate
 from checkpoint import _keys
+from checkpoint._storage import _host
 from checkpoint._storage import _safetensors as storage
 from varstate.optimizers import Adam
 
@@ -153,17 +154,18 @@ def test_sharded_layout(tmp_path):
 
 
 class _Counting:
-    """Counts the bytes the reader preads."""
+    """Counts the bytes the reader preads (a block of a tensor, or whole tensors stored back to back)."""
 
     def __init__(self, monkeypatch):
         self.bytes = 0
         real = storage.pread_into
 
         def counted(fd, buf, offset, where):
-            self.bytes += buf.nbytes
+            self.bytes += sum(b.nbytes for b in ([buf] if isinstance(buf, np.ndarray) else buf))
             real(fd, buf, offset, where)
 
-        monkeypatch.setattr(storage, "pread_into", counted)
+        for module in (storage, _host):
+            monkeypatch.setattr(module, "pread_into", counted)
 
 
 @pytest.mark.parametrize("spec", [P("x", "y"), P("x", None), P(None, "x"), P()])
@@ -249,3 +251,43 @@ def test_the_storage_layer_names_the_prng_attribute_as_the_graph_does():
     from checkpoint._graph import _build
 
     assert storage.PRNG_ATTRIBUTE == _build.PRNG_KEY_IMPL  # one attribute name, spelled twice to keep jax out
+
+
+def test_many_small_tensors_are_read_with_one_call_each_into_its_own_aligned_buffer(tmp_path, monkeypatch):
+    tree = {f"w{i:02d}": np.arange(i + 1, dtype=np.float32) * (i + 1) for i in range(40)}
+    tree["flags"] = np.array([True, False, True])  # odd sizes: most tensors start off a 64-byte boundary in the file
+    path = st.save(tmp_path / "m.safetensors", tree)
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(len(bufs)) or real(fd, bufs, offset))
+    back = st.load(path)
+    assert calls == [1, 1, 41]  # the header's size, the header; the tensors: back to back, one read, a buffer each
+    for k, v in tree.items():
+        assert back[k].ctypes.data % 64 == 0 and back[k].dtype == v.dtype
+        np.testing.assert_array_equal(back[k], v)
+    calls.clear()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placed = st.load(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in tree.items()})
+    assert calls == [1, 1, 41]
+    for k, v in tree.items():
+        assert placed[k].sharding == one
+        np.testing.assert_array_equal(np.asarray(placed[k]), v)
+
+
+def test_a_read_cut_short_by_the_system_goes_on_across_the_buffers(tmp_path, monkeypatch):
+    tree = {f"w{i}": np.arange(10, dtype=np.int8) + 10 * i for i in range(5)}
+    path = st.save(tmp_path / "m.safetensors", tree)
+    real = os.preadv
+
+    def short(fd, bufs, offset):  # at most 7 bytes a call: ends inside a buffer and spans two
+        head, rest = memoryview(bufs[0]).cast("B")[:7], [memoryview(b).cast("B") for b in bufs[1:]]
+        return real(fd, [head, *rest][:2] if len(head) < 7 else [head], offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    back = st.load(path)
+    for k, v in tree.items():
+        np.testing.assert_array_equal(back[k], v)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 3)
+    with pytest.raises(checkpoint.CheckpointFormatError, match=r"m\.safetensors"):
+        st.load(path)
