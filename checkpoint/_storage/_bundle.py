@@ -378,9 +378,10 @@ class BundleReader:
         second host copy), in threads a few values ahead (`read_grouped`),
         each checksummed before it is placed; values under 1 MB go in
         groups, in file order (a run stored back to back is one read, each
-        value in its own buffer), placed by one `device_put`. The rest come back on the host: the caller
-        places them after reading the dtype each was stored in (a quantized
-        TF dtype's tag, which a jax.Array would drop).
+        value in its own buffer), placed by one `device_put`. The rest come
+        back on the host: the caller places them after reading the dtype
+        each was stored in (a quantized TF dtype's tag, which a jax.Array
+        would drop).
         """
         direct = {k: s for k, s in requests.items() if s is not None and self._direct(k, s)}
         out: dict[str, Any] = {}
