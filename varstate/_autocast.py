@@ -293,10 +293,15 @@ class AutoCastVariable(_ArrayOps):
                 f"dtype_to_cast_to={self.dtype} inner_variable={v!r}>")
 
 
+def flatten_autocast(a: AutoCastVariable) -> tuple[tuple[Variable], None]:
+    """An AutoCastVariable's pytree children (its Variable) and static data."""
+    return (a._variable,), None
+
+
+def unflatten_autocast(_: None, children: Any) -> AutoCastVariable:
+    return _wrap(children[0])
+
+
 _KEY = jax.tree_util.GetAttrKey("_variable")
 jax.tree_util.register_pytree_with_keys(
-    AutoCastVariable,
-    lambda a: (((_KEY, a._variable),), None),
-    lambda _, children: _wrap(children[0]),
-    flatten_func=lambda a: ((a._variable,), None),
-)
+    AutoCastVariable, lambda a: (((_KEY, a._variable),), None), unflatten_autocast, flatten_func=flatten_autocast)

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from varstate._autocast import AutoCastVariable, flatten_autocast, unflatten_autocast
 from varstate._jax_compat import ArrayImpl, container_registry
 from varstate._variable import Variable, version, versions
 from varstate.optimizers._core import _packed, _traced
@@ -253,11 +254,12 @@ class OptimizerState:
         """
         return sorted(self._stored)
 
-    def get_slot(self, var: Variable, name: str) -> Variable | None:
+    def get_slot(self, var: Variable | AutoCastVariable, name: str) -> Variable | None:
         """The slot `name` of primary `var`, matched by resource id (TF's `get_slot`).
 
         Args:
-            var: the primary Variable (any version of it).
+            var: the primary Variable (any version of it), or a wrapper of
+                it such as an `AutoCastVariable` (as TF's `get_slot` takes one).
             name: the slot's name (``"m"``, ``"momentum"``...).
 
         Returns:
@@ -270,6 +272,8 @@ class OptimizerState:
         tree = self.slots.get(name)
         if tree is None:
             return None
+        if isinstance(var, AutoCastVariable):
+            var = var.__varstate_variable__()
         if not isinstance(var, Variable):
             raise TypeError(
                 f"get_slot finds slots by their variable's identity; got {type(var).__name__}, which has none. "
@@ -324,12 +328,14 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-# A registry of Python's containers and the state's two classes, registered as in the default one: the same
-# structure and leaf order, except that a Variable is a leaf itself here (its value, there).
+# A registry of Python's containers, the state's two classes and AutoCastVariable (mixed precision's params),
+# registered as in the default one: the same structure and leaf order, except that a Variable is a leaf itself
+# here (its value, there). A class left out is a leaf here, which sends every step with it the slow way.
 CONTAINERS = container_registry()
 if CONTAINERS is not None:
     CONTAINERS.register_node(OptimizerState, flatten_state, unflatten_state)
     CONTAINERS.register_node(_packed.PackedTree, _packed.flatten_packed, _packed.unflatten_packed)
+    CONTAINERS.register_node(AutoCastVariable, flatten_autocast, unflatten_autocast)
 
 
 class LeafLayout:
