@@ -15,7 +15,8 @@ donated step; lazy against dense Adam on a large embedding table.
 Last, the sweep row: 8 learning rates as one vmapped, jitted step over stacked runs (``traced``) against a
 Python loop over 8 optimizers, wall time and compiles. ``--accelerator-rows`` runs only the rows issue 15 asks
 of a GPU (see benchmarks/gpu.sh); ``--default-path`` only the default path's rows (about 3 minutes);
-``--sweep`` only the sweep row; ``--first-step`` only the first-step row (a fresh process per contender).
+``--sweep`` only the sweep row; ``--first-step`` only the first-step row (a fresh process per contender);
+``--mixed-precision`` only the AutoCastVariable row.
 """
 
 from __future__ import annotations
@@ -419,6 +420,28 @@ def sweep_row():
           f"gradient each), loop/vmapped {lp / vm:.1f}x")
 
 
+def mixed_precision_rows(count=1000, shape=(16, 4), rounds=30, burst=5):
+    """Adam over `count` AutoCastVariables (mixed_precision.autocast_variables) against the same params as plain
+    Variables and optax.adam over arrays, gradients in each params' structure, taking turns (`_paired`)."""
+    from varstate import mixed_precision
+
+    opt, tx = Adam(1e-3), optax.adam(1e-3)
+    runners = {}
+    for label, wrap in (("Variable", lambda p: p), ("AutoCastVariable", mixed_precision.autocast_variables)):
+        params = wrap({f"p{i}": varstate.Variable(jnp.zeros(shape), name=f"{label}{i}") for i in range(count)})
+        grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.01), params)
+        runners[label] = (lambda c, grads=grads: opt.apply_gradients(grads, *c), (params, opt.init(params)))
+    arrays = {f"p{i}": jnp.zeros(shape) for i in range(count)}
+    step, grads = _optax_step(tx), {f"p{i}": jnp.full(shape, 0.01) for i in range(count)}
+    runners["optax.adam"] = (lambda c: step(*c, grads), (arrays, tx.init(arrays)))
+    t = _paired(runners, rounds, burst)
+    print(f"mixed precision: Adam on {count} x {shape[0]}x{shape[1]}, {rounds} rounds of {burst}-step bursts, median "
+          "step ms; ratios: median of the per-round ratios")
+    for name in runners:
+        print(f"  {name:<17}{np.median(t[name]) * 1e3:8.2f} ms   /Variable {np.median(t[name] / t['Variable']):.3f}"
+              f"   /optax.adam {np.median(t[name] / t['optax.adam']):.3f}")
+
+
 _FIRST_STEP_CHILD = r"""
 import sys, time
 import jax, jax.numpy as jnp, optax
@@ -477,6 +500,8 @@ def first_step_rows(count=1000, rounds=2):
 def main():
     if sys.argv[1:] == ["--first-step"]:
         return first_step_rows()
+    if sys.argv[1:] == ["--mixed-precision"]:
+        return mixed_precision_rows()
     if sys.argv[1:] == ["--accelerator-rows"]:
         return accelerator_rows()
     if sys.argv[1:] == ["--sweep"]:
@@ -528,6 +553,8 @@ def main():
     packed_rows()
     print()
     sweep_row()
+    print()
+    mixed_precision_rows()
 
 
 if __name__ == "__main__":
