@@ -272,7 +272,7 @@ class OptimizerState:
         tree = self.slots.get(name)
         if tree is None:
             return None
-        if isinstance(var, AutoCastVariable):
+        if hasattr(var, "__varstate_variable__"):  # the wrappers' protocol (AutoCastVariable), as grads and saves
             var = var.__varstate_variable__()
         if not isinstance(var, Variable):
             raise TypeError(
