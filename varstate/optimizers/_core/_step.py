@@ -299,7 +299,7 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
             ps_leaves = _commit(ps_leaves, g_leaves + o_leaves)  # new param arrays, a structure seen before
         _trace.defs = (g_def, ps_def, o_def)
         try:
-            new = (_jitted_sliced if plan.sliced else _jitted_update)(plan.key, ps_leaves, g_leaves, o_leaves)
+            new = _jitted(plan)(plan.key, ps_leaves, g_leaves, o_leaves)
         finally:
             _trace.defs = None
         out = ps_def.unflatten(new) if seen is None else seen.rebuild(new)
@@ -349,6 +349,10 @@ _jitted_sliced = jax.jit(_flat_step, static_argnums=(0,), donate_argnums=(1,),
                          compiler_options={"xla_cpu_use_fusion_emitters": False})
 
 
+def _jitted(plan: _Plan) -> Any:
+    return _jitted_sliced if plan.sliced else _jitted_update
+
+
 def _check_layout(opt: Any, given: tuple, returned: Any) -> None:
     """ValueError when `update` returned params or state laid out otherwise than given (their first difference)."""
     for name, before, after in zip(("params", "state"), given, returned, strict=True):
@@ -373,7 +377,7 @@ def lower(opt: Any, grads: Any, params: Any, state: OptimizerState, step: Any = 
     plan = _new_plan(opt, grads, params, state, None, other, False)
     _trace.defs = tuple(d for _, d in flat)
     try:
-        return (_jitted_sliced if plan.sliced else _jitted_update).lower(plan.key, flat[1][0], flat[0][0], flat[2][0])
+        return _jitted(plan).lower(plan.key, flat[1][0], flat[0][0], flat[2][0])
     finally:
         _trace.defs = None
 
