@@ -11,6 +11,7 @@ to fit them, which is exact when only one merge fits; else only each class's own
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 import zipfile
@@ -79,18 +80,15 @@ def _leaf(weights: Mapping, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _blocks(weights: _read.KerasWeights, sub: Mapping[tuple[str, ...], int],
-            paths: Sequence[tuple[str, ...]]) -> dict[str, list[Shape]]:
+def _blocks(weights: _read.KerasWeights, sub: Mapping[tuple[str, ...], int]) -> dict[str, list[Shape]]:
     """Each top-level layer's trainable shapes, its sublayers' in Keras's order after its own.
 
     Trainable as the optimizer's params are: all but the Variables made non-trainable (BatchNormalization's
     moving statistics).
     """
-    walk = {path: i for i, path in enumerate(paths)}
     out: dict[str, list[Shape]] = {}
-    for i in sorted(range(len(paths)), key=lambda i: _key(paths[i], sub, walk)):
-        lay, path = weights.layout[i], paths[i]
-        if path:
+    for lay in _ranked(weights.layout, sub):
+        if path := lay.path:
             out.setdefault(path[0], []).extend(
                 tuple(s) for w, s in zip(lay.weights, lay.shapes, strict=True)
                 if getattr(_leaf(weights, (*path, w)), "trainable", True))
@@ -116,15 +114,9 @@ def optimizer_shapes(opt_shapes: Sequence[Shape], n: int) -> list[Shape] | None:
     per = len(body) // n
     found = set()
     for cuts in range(1 << (per - 1)):  # each way to split a variable's `per` slots into groups, in order
-        widths, w = [], 1
-        for bit in range(per - 1):
-            if cuts >> bit & 1:
-                widths.append(w)
-                w = 0
-            w += 1
-        widths.append(w)
+        bounds = [0, *(bit + 1 for bit in range(per - 1) if cuts >> bit & 1), per]
         start, target = 0, None
-        for width in widths:
+        for width in (b - a for a, b in itertools.pairwise(bounds)):
             group = [body[start + i * width] for i in range(n)]
             if target not in (None, group) or any(body[start + i * width + j] != group[i]
                                                    for i in range(n) for j in range(width)):
@@ -173,7 +165,8 @@ def merge(blocks: Mapping[str, list[Shape]], target: Sequence[Shape]) -> tuple[l
 
     done = tuple(len(seq) for seq in heavy)
     memo: dict[tuple[int, ...], int] = {}
-    stack = [tuple(0 for _ in heavy)]
+    start = tuple(0 for _ in heavy)
+    stack = [start]
     work = 0
     while stack:
         state = stack[-1]
@@ -191,11 +184,11 @@ def merge(blocks: Mapping[str, list[Shape]], target: Sequence[Shape]) -> tuple[l
         memo[state] = int(sum(off[-1] for off in offsets) == len(target)) if state == done else min(
             2, sum(memo[s] for _, s in nexts))
         stack.pop()
-    count = memo[tuple(0 for _ in heavy)]
+    count = memo[start]
     if not count:
         return None, 0
     order: list[str] = []
-    state = tuple(0 for _ in heavy)
+    state = start
     placed = [0] * len(seqs)  # how far each class's layers, weightless ones included, are placed
 
     def place_until(c: int, name: str | None) -> None:
@@ -217,16 +210,21 @@ def _key(path: tuple[str, ...], ranks: Mapping[tuple[str, ...], int], walk: Mapp
     return tuple((ranks.get(path[: k + 1], _LAST), walk.get(path[: k + 1], 0)) for k in range(len(path)))
 
 
-def sublayer_ranks(layout: Sequence[_read.LayerLayout],
-                   paths: Sequence[tuple[str, ...]] | None = None) -> dict[tuple[str, ...], int]:
+def _ranked(layout: Sequence[_read.LayerLayout], ranks: Mapping[tuple[str, ...], int]) -> list[_read.LayerLayout]:
+    """`layout` sorted by the ranks of each level of a layer's path; unranked levels keep their order, after."""
+    paths = [lay.path for lay in layout]  # read once: a reader's work stays linear in its layers
+    walk = {path: i for i, path in enumerate(paths)}
+    return [layout[i] for i in sorted(range(len(paths)), key=lambda i: _key(paths[i], ranks, walk))]
+
+
+def sublayer_ranks(layout: Sequence[_read.LayerLayout]) -> dict[tuple[str, ...], int]:
     """Ranks of the sublayers of built-in layers (MultiHeadAttention's projections, Bidirectional's two RNNs)."""
-    paths = [lay.path for lay in layout] if paths is None else paths
-    return {path: _SUBLAYER_RANK[lay.group.rsplit("/", 1)[-1]] for lay, path in zip(layout, paths, strict=True)
-            if lay.group and lay.group.rsplit("/", 1)[-1] in _SUBLAYER_RANK and len(path) > 1}
+    return {lay.path: _SUBLAYER_RANK[lay.group.rsplit("/", 1)[-1]] for lay in layout
+            if lay.group and lay.group.rsplit("/", 1)[-1] in _SUBLAYER_RANK and len(lay.path) > 1}
 
 
-def file_ranks(weights: _read.KerasWeights, target: Sequence[Shape] | None, n_of: Any = None,
-               paths: Sequence[tuple[str, ...]] | None = None) -> tuple[dict[tuple[str, ...], int], int | None]:
+def file_ranks(weights: _read.KerasWeights, target: Sequence[Shape] | None,
+               n_of: Any = None) -> tuple[dict[tuple[str, ...], int], int | None]:
     """Ranks of the top-level layers of a ``.weights.h5`` found from the optimizer's shapes, and how many orders fit.
 
     The top-level layers take the one order that fits; without one (no shapes, none or several fit), each class's
@@ -235,11 +233,9 @@ def file_ranks(weights: _read.KerasWeights, target: Sequence[Shape] | None, n_of
     `target` is the trainable variables' shapes in Keras's order; `n_of` instead derives them from the
     optimizer's variables' shapes (`optimizer_shapes`). Only the layers of a Functional or Sequential model (all
     under ``layers/``) are ordered; the count is None when there is nothing to go by (another model, no shapes).
-    `paths` are the layout's paths, when the caller has them.
     """
-    paths = [lay.path for lay in weights.layout] if paths is None else paths
-    sub = sublayer_ranks(weights.layout, paths)
-    top = [(path, lay.group or "") for lay, path in zip(weights.layout, paths, strict=True) if len(path) == 1]
+    sub = sublayer_ranks(weights.layout)
+    top = [(path, lay.group or "") for lay in weights.layout if len(path := lay.path) == 1]
     if not top or any(not g.startswith("layers/") or g.count("/") != 1 for _, g in top):
         return sub, None
     by_group = {g.split("/", 1)[1]: path[0] for path, g in top}
@@ -251,16 +247,17 @@ def file_ranks(weights: _read.KerasWeights, target: Sequence[Shape] | None, n_of
     placed = [by_group[next(chains[class_of[g]])] for g in by_group]
     known: dict[tuple[str, ...], int] = {} if placed == list(by_group.values()) else {
         (name,): i for i, name in enumerate(placed)}
+    fallback = {**sub, **known}
     if target is None and n_of is None:
-        return {**sub, **known}, None
-    blocks = _blocks(weights, sub, paths)
+        return fallback, None
+    blocks = _blocks(weights, sub)
     if target is None:
         target = optimizer_shapes(n_of, sum(len(b) for b in blocks.values()))
         if target is None:
-            return {**sub, **known}, None
+            return fallback, None
     order, count = merge({g: blocks.get(name, []) for g, name in by_group.items()}, target)
     if order is None or count != 1:
-        return {**sub, **known}, count
+        return fallback, count
     return {**sub, **{(by_group[g],): i for i, g in enumerate(order)}}, count
 
 
@@ -270,41 +267,31 @@ def in_keras_order(weights: _read.KerasWeights, config: Any, opt_shapes: Sequenc
     With neither (or when the shapes fit no order or several), each class's layers keep Keras's order among
     themselves, in the places the class's layers were read in (`file_ranks`).
     """
-    paths = [lay.path for lay in weights.layout]
     ranks = config_ranks(config) if config is not None else {}
     if ranks:
-        return reorder(weights, {**sublayer_ranks(weights.layout, paths), **ranks}, paths)
-    return reorder(weights, file_ranks(weights, None, opt_shapes, paths)[0], paths)
+        return reorder(weights, {**sublayer_ranks(weights.layout), **ranks})
+    return reorder(weights, file_ranks(weights, None, opt_shapes)[0])
 
 
-def reorder(weights: _read.KerasWeights, ranks: Mapping[tuple[str, ...], int],
-            paths: Sequence[tuple[str, ...]] | None = None) -> _read.KerasWeights:
-    """`weights` with its layers (dict and layout) in the order `ranks` gives; unranked ones keep theirs, after.
-
-    `paths` are the layout's paths, when the caller has them.
-    """
+def reorder(weights: _read.KerasWeights, ranks: Mapping[tuple[str, ...], int]) -> _read.KerasWeights:
+    """`weights` with its layers (dict and layout) in the order `ranks` gives; unranked ones keep theirs, after."""
     if not ranks:
         return weights
-    paths = [lay.path for lay in weights.layout] if paths is None else paths
-    walk = {path: i for i, path in enumerate(paths)}
-    order = sorted(range(len(paths)), key=lambda i: _key(paths[i], ranks, walk))
-    if order == list(range(len(paths))):
-        return weights
-    return _rebuilt(weights, [weights.layout[i] for i in order], [paths[i] for i in order])
+    layout = _ranked(weights.layout, ranks)
+    return weights if layout == list(weights.layout) else _rebuilt(weights, layout)
 
 
-def _rebuilt(weights: _read.KerasWeights, layout: Sequence[_read.LayerLayout],
-             paths: Sequence[tuple[str, ...]]) -> _read.KerasWeights:
-    """`weights`' values in a dict made in the order of `layout` (the same layers, reordered; `paths` theirs)."""
+def _rebuilt(weights: _read.KerasWeights, layout: Sequence[_read.LayerLayout]) -> _read.KerasWeights:
+    """`weights`' values in a dict made in the order of `layout` (the same layers, reordered)."""
     tree: dict = {}
-    for lay, path in zip(layout, paths, strict=True):
+    for lay in layout:
         if not lay.weights:
             continue  # a layer's dict is made by its first weight (as load_weights makes it)
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
+        node, source = tree, weights
+        for part in lay.path:
+            node, source = node.setdefault(part, {}), source[part]
         for name in lay.weights:
-            node[name] = _leaf(weights, (*path, name))
+            node[name] = source[name]
     _add_missing(tree, weights)  # weights a caller added outside the layout stay, after
     return type(weights)(tree, layout=tuple(layout), source=weights.source)
 
@@ -335,7 +322,7 @@ def by_rank(weights: _read.KerasWeights, rank: Mapping[tuple[str, ...], int]) ->
             dtypes=tuple(lay.dtypes[i] for i in order) if lay.dtypes else ()))
     walk = {lay.path: i for i, lay in enumerate(layout)}
     layout.sort(key=lambda lay: (weight_key(lay, 0)[0] if lay.weights else _LAST, walk[lay.path]))
-    return _rebuilt(weights, layout, [lay.path for lay in layout])
+    return _rebuilt(weights, layout)
 
 
 def ambiguity_error(where: str, count: int) -> ValueError:
