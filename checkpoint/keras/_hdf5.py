@@ -119,31 +119,29 @@ class _Strings:
             self.raw.close()
 
 
-@contextlib.contextmanager
-def _registered(h5: Any, source: str | bytes, where: str) -> Iterator[Any]:
-    number, strings = h5.id.fileno, _Strings(source, where)
-    _SOURCES.setdefault(number, []).append(strings)
-    try:
-        yield h5
-    finally:
-        _SOURCES[number].remove(strings)
-        if not _SOURCES[number]:
-            del _SOURCES[number]
-        strings.close()
-
-
-@contextlib.contextmanager
-def open_file(path: str) -> Iterator[Any]:
+def open_file(path: str) -> contextlib.AbstractContextManager[Any]:
     """`path` opened by h5py for reading; its attributes are to be read with `attribute`."""
-    with h5py_module().File(path, "r") as h5, _registered(h5, path, path):
-        yield h5
+    return _opened(path, path, path)
+
+
+def open_bytes(data: bytes, where: str) -> contextlib.AbstractContextManager[Any]:
+    """An HDF5 file held in memory (a ``.keras`` archive's weights), opened as `open_file` opens a path."""
+    return _opened(io.BytesIO(data), data, where)
 
 
 @contextlib.contextmanager
-def open_bytes(data: bytes, where: str) -> Iterator[Any]:
-    """An HDF5 file held in memory (a ``.keras`` archive's weights), opened as `open_file` opens a path."""
-    with h5py_module().File(io.BytesIO(data), "r") as h5, _registered(h5, data, where):
-        yield h5
+def _opened(file: Any, source: str | bytes, where: str) -> Iterator[Any]:
+    """`file` opened by h5py, with the pyfive reader of its strings registered under its file number."""
+    with h5py_module().File(file, "r") as h5:
+        number, strings = h5.id.fileno, _Strings(source, where)
+        _SOURCES.setdefault(number, []).append(strings)
+        try:
+            yield h5
+        finally:
+            _SOURCES[number].remove(strings)
+            if not _SOURCES[number]:
+                del _SOURCES[number]
+            strings.close()
 
 
 def _text(value: Any, name: str, where: str) -> Any:
