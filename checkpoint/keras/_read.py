@@ -142,9 +142,6 @@ def _unflatten(aux, children) -> KerasWeights:
 jax.tree_util.register_pytree_with_keys(KerasWeights, _flatten_with_keys, _unflatten)
 
 
-_h5py = _hdf5.h5py_module  # reading goes through _hdf5 (string attributes by pyfive: libhdf5 can loop on them)
-
-
 def _is_hdf5(path: str) -> bool:
     # The HDF5 signature sits at offset 0, or 512, 1024, ... when a user block precedes it.
     with open(path, "rb") as f:
@@ -324,7 +321,7 @@ def load_weights(
 # --- Keras 3 .weights.h5 ----------------------------------------------------------------------
 class _Keras3Reader:
     def __init__(self, f, where: str, names: dict[str, tuple[str, ...]], registry, config: Any = None) -> None:
-        self.h5py = _h5py()
+        self.h5py = _hdf5.h5py_module()
         self.f, self.where, self.names, self.registry = f, where, names, registry
         self.config = config  # a .keras archive's model config: Keras's order of the layers
         self.tree: dict = {}
@@ -578,9 +575,8 @@ def _is_model(g: _Graph, i: int) -> bool:
 
 def _find_model(g: _Graph, node: str | None) -> tuple[int, str]:
     if node is not None:
-        i = g.find(node, lambda part, names: ValueError(
-            f"{g.where}: no object {node!r} in the checkpoint (at {part!r}, the children are {sorted(names)})"))
-        return i, node
+        return g.find(node, lambda part, names: ValueError(
+            f"{g.where}: no object {node!r} in the checkpoint (at {part!r}, the children are {sorted(names)})")), node
     if _is_model(g, 0):
         return 0, ""
     kids = [(n, j) for n, j in g.children(0) if n not in (_OPTIMIZER, _keys.SAVE_COUNTER) and _is_model(g, j)]

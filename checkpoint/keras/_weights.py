@@ -13,11 +13,10 @@ import numpy as np
 import varstate
 from checkpoint import _dtypes
 from checkpoint._storage._files import replacing
+from checkpoint.keras._hdf5 import h5py_module
 from checkpoint.keras._optimizer import h5_values
-from checkpoint.keras._pairing import BY_POSITION as _BY_POSITION
-from checkpoint.keras._pairing import SAME_NAMES as _SAME_NAMES
-from checkpoint.keras._pairing import pair_by_layer
-from checkpoint.keras._read import _VARS, KerasWeights, LayerLayout, _h5py, load_weights
+from checkpoint.keras._pairing import BY_POSITION, SAME_NAMES, pair_by_layer
+from checkpoint.keras._read import _VARS, KerasWeights, LayerLayout, load_weights
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -100,7 +99,7 @@ def save_weights(
         raise ValueError("save_weights writes optimizer state from both optimizer= and optimizer_state=; pass both")
     opt_values = None if optimizer is None else h5_values(optimizer, weights, optimizer_state)
     # Compact groups (HDF5 >= 1.8 format): files a third the size of h5py's default, read by any h5py.
-    with replacing(path) as (tmp,), _h5py().File(tmp, "w", libver=("v108", "latest")) as f:
+    with replacing(path) as (tmp,), h5py_module().File(tmp, "w", libver=("v108", "latest")) as f:
         for lay, values in planned:
             group = f.create_group(f"{lay.group}/{_VARS}" if lay.group else _VARS)
             group.attrs["name"] = lay.name
@@ -263,7 +262,7 @@ def assign_weights(
     by_path = {"/".join(p): v for p, v in ordered}
     # Each leaf's Keras weight: (its path, its value), or None to leave the leaf unchanged.
     chosen: list[tuple[str, Any] | None]
-    hints = [_SAME_NAMES] * len(flat)  # what a shape that does not fit says, by how its weight was found
+    hints = [SAME_NAMES] * len(flat)  # what a shape that does not fit says, by how its weight was found
     if name_map is not None:
         lookup = name_map.get if isinstance(name_map, Mapping) else name_map
         chosen, hints = [], [""] * len(flat)
@@ -295,7 +294,7 @@ def assign_weights(
             f"(target: {_some(leaf_names)}; Keras: {_some(by_path)}): pass a name_map"
         )
     else:  # by layer (`pair_by_layer`), or leaf by leaf when the layers do not line up
-        hinted = pair_by_layer(leaf_names, list(by_path.items())) or [(p, v, _BY_POSITION) for p, v in by_path.items()]
+        hinted = pair_by_layer(leaf_names, list(by_path.items())) or [(p, v, BY_POSITION) for p, v in by_path.items()]
         chosen, hints = [(p, v) for p, v, _ in hinted], [h for _, _, h in hinted]
     new_leaves = [leaf if c is None else _fit(name, leaf, *c, hint=h)
                   for name, (_, leaf), c, h in zip(leaf_names, flat, chosen, hints, strict=True)]
