@@ -362,11 +362,9 @@ def _load_h5(where: str, optimizer: KerasOptimizer, params: Any):
                                       f"{where}: {group_path}/{n}", budget) for n in range(len(order))]
     # Each trainable variable's shape: its first group's last slot (shaped like it in every Keras optimizer,
     # Adafactor's velocity after its factored r and c).
-    first: dict[int, tuple[int, ...]] = {}
     first_group = (*optimizer.keras_layout()[1], ())[0]
-    for (name, p), value in zip(order, values, strict=True):
-        if p is not None and name in first_group:
-            first[p] = tuple(value.shape)
+    first = {p: tuple(value.shape) for (name, p), value in zip(order, values, strict=True)
+             if p is not None and name in first_group}
     params = _in_file_order(params, [first[p] for p in range(len(idx))] if len(first) == len(idx) else None, where)
     leaves, _, idx = _trainable(params)
     order = keras_order(optimizer, [leaves[i] for i in idx])  # the layers' order may choose other slots (Muon's)
@@ -556,9 +554,9 @@ def save_optimizer_state(
     prefix = snake_name(type(optimizer).__name__) if name is None else name
     registry = varstate.Registry()  # Keras's names, made fresh: a Variable's name is its checkpoint full_name
 
-    def named(value: Any, var_name: str, saved: Any = None) -> varstate.Variable:
+    def named(value: Any, var_name: str, saved: Any = None, into: varstate.Registry = registry) -> varstate.Variable:
         v = varstate.Variable(value.value if isinstance(value, varstate.Variable) else value, name=var_name,
-                              trainable=False, registry=registry)
+                              trainable=False, registry=into)
         return v if saved is None else _seam.record_saved_dtype(v, saved)
 
     names = [getattr(leaves[i], "name", f"variable_{k}") for k, i in enumerate(idx)]
@@ -571,9 +569,7 @@ def save_optimizer_state(
         elif v is None:
             raise ValueError(f"state has no slot {n!r} for trainable variable {p}; pass the state made for params")
         elif _KERAS_NAMES.get(n) == "":  # Adafactor's r and c, both named as their variable: a registry each
-            own = varstate.Variable(v.value, name=f"{prefix}/{names[p].rsplit('/', 1)[-1]}", trainable=False,
-                                    registry=varstate.Registry())
-            variables.append(own)
+            variables.append(named(v, f"{prefix}/{names[p].rsplit('/', 1)[-1]}", into=varstate.Registry()))
         else:
             variables.append(named(v, f"{prefix}/{names[p].replace('/', '_')}_{n}"))
     rate = {"_learning_rate": variables[1]} if entries[1][0] == "learning_rate" else {}  # none for a schedule
