@@ -320,8 +320,7 @@ def by_rank(weights: _read.KerasWeights, rank: Mapping[tuple[str, ...], int]) ->
             weights=tuple(lay.weights[i] for i in order),
             shapes=tuple(lay.shapes[i] for i in order) if lay.shapes else (),
             dtypes=tuple(lay.dtypes[i] for i in order) if lay.dtypes else ()))
-    walk = {lay.path: i for i, lay in enumerate(layout)}
-    layout.sort(key=lambda lay: (weight_key(lay, 0)[0] if lay.weights else _LAST, walk[lay.path]))
+    layout.sort(key=lambda lay: weight_key(lay, 0)[0] if lay.weights else _LAST)  # stable: the rest keep their order
     return _rebuilt(weights, layout)
 
 

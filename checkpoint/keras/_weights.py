@@ -260,12 +260,12 @@ def assign_weights(
     leaf_names = [_path_name(p) for p, _ in flat]
     ordered = _ordered(weights)
     by_path = {"/".join(p): v for p, v in ordered}
-    # Each leaf's Keras weight: (its path, its value), or None to leave the leaf unchanged.
-    chosen: list[tuple[str, Any] | None]
-    hints = [SAME_NAMES] * len(flat)  # what a shape that does not fit says, by how its weight was found
+    # Each leaf's Keras weight: (its path, its value, what a shape that does not fit says, by how the weight was
+    # found), or None to leave the leaf unchanged.
+    chosen: list[tuple[str, Any, str] | None]
     if name_map is not None:
         lookup = name_map.get if isinstance(name_map, Mapping) else name_map
-        chosen, hints = [], [""] * len(flat)
+        chosen = []
         for name in leaf_names:
             source = lookup(name)
             if source is None and strict:
@@ -278,7 +278,7 @@ def assign_weights(
                     f"name_map maps target leaf {name!r} to {source!r}, which is not a Keras weight (they are "
                     f"{_some(by_path)})"
                 )
-            chosen.append(None if source is None else (source, by_path[source]))
+            chosen.append(None if source is None else (source, by_path[source], ""))
         assigned = {c[0] for c in chosen if c is not None}
         unused = [p for p in by_path if p not in assigned]
         if strict and unused:
@@ -287,17 +287,17 @@ def assign_weights(
                 "in name_map, or pass strict=False"
             )
     elif set(leaf_names) == set(by_path) and len(leaf_names) == len(by_path):
-        chosen = [(name, by_path[name]) for name in leaf_names]
+        chosen = [(name, by_path[name], SAME_NAMES) for name in leaf_names]
     elif len(flat) != len(ordered):
         raise ValueError(
             f"target has {len(flat)} leaves but there are {len(ordered)} Keras weights, and the names differ "
             f"(target: {_some(leaf_names)}; Keras: {_some(by_path)}): pass a name_map"
         )
     else:  # by layer (`pair_by_layer`), or leaf by leaf when the layers do not line up
-        hinted = pair_by_layer(leaf_names, list(by_path.items())) or [(p, v, BY_POSITION) for p, v in by_path.items()]
-        chosen, hints = [(p, v) for p, v, _ in hinted], [h for _, _, h in hinted]
-    new_leaves = [leaf if c is None else _fit(name, leaf, *c, hint=h)
-                  for name, (_, leaf), c, h in zip(leaf_names, flat, chosen, hints, strict=True)]
+        chosen = list(pair_by_layer(leaf_names, list(by_path.items()))
+                      or [(p, v, BY_POSITION) for p, v in by_path.items()])
+    new_leaves = [leaf if c is None else _fit(name, leaf, *c)
+                  for name, (_, leaf), c in zip(leaf_names, flat, chosen, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
@@ -313,7 +313,7 @@ def _family(dtype: np.dtype) -> str:
     return {"i": "int", "u": "int", "f": "float", "b": "bool", "c": "complex"}.get(dtype.kind, dtype.kind)
 
 
-def _fit(name: str, leaf: Any, source: str, value: Any, *, hint: str = "") -> Any:
+def _fit(name: str, leaf: Any, source: str, value: Any, hint: str) -> Any:
     value = _as_numpy(value)
     shape = tuple(np.shape(leaf))
     if value.shape != shape:
