@@ -236,10 +236,8 @@ def _slot_layout(state: Any, ckpt_keys: set[str], optimizer_name: str | None) ->
         return None
     if optimizer_name is not None:
         return optimizer_name, layouts[0][1]
-    for name, order in layouts:  # the one whose names the checkpoint holds
-        if any(k.endswith("/" + name) for k in ckpt_keys):
-            return name, order
-    return layouts[0]
+    held = ((name, order) for name, order in layouts if any(k.endswith("/" + name) for k in ckpt_keys))
+    return next(held, layouts[0])  # the one whose names the checkpoint holds
 
 
 def _state_plan(leaves, groups, by_id_params, plan, key_by_name, layout, mapped, scope) -> dict[str, str]:

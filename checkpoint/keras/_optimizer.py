@@ -100,12 +100,15 @@ def _count_error(what: str, held: int, optimizer: KerasOptimizer, n_params: int,
     )
 
 
-def check_optimizer(optimizer: Any) -> None:
+def check_optimizer(optimizer: Any, state: Any = None, arg: str = "") -> None:
+    """TypeError unless `optimizer` is a Keras optimizer and, when `arg` names it, `state` an OptimizerState."""
     if not isinstance(optimizer, KerasOptimizer):
         raise TypeError(
             f"optimizer must be one of varstate.optimizers.keras's optimizers (Keras's layout and names), got "
             f"{type(optimizer).__name__}; for TF v1 optimizers use checkpoint.Checkpoint"
         )
+    if arg and not isinstance(state, OptimizerState):
+        raise TypeError(f"{arg} must be the OptimizerState of the optimizer, got {type(state).__name__}")
 
 
 def _trainable(params: Any) -> tuple[list, Any, list[int]]:
@@ -451,9 +454,7 @@ def _load_v2(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer, pa
 # --- saving --------------------------------------------------------------------------------------
 def h5_values(optimizer: Any, params: Any, state: OptimizerState) -> tuple[str, list[np.ndarray]]:
     """Keras's optimizer name and the values of its ``optimizer/vars/N``, for a ``.weights.h5``."""
-    check_optimizer(optimizer)
-    if not isinstance(state, OptimizerState):
-        raise TypeError(f"optimizer_state must be the OptimizerState of the optimizer, got {type(state).__name__}")
+    check_optimizer(optimizer, state, "optimizer_state")
     leaves, _, idx = _trainable(params)
     values = [np.asarray(v.value).astype(_seam.saved_dtype(v)) if p is None
               else np.asarray(v.value if isinstance(v, varstate.Variable) else v)
@@ -472,9 +473,9 @@ def _save_v2(path: str, optimizer: KerasOptimizer, params: Any, state: Optimizer
     registry = varstate.Registry()
     non_slots = {"iter": _seam.record_saved_dtype(varstate.Variable(
         state.non_slots["iteration"].value, name=f"{cls}/iter", trainable=False, registry=registry), np.int64)}
-    for hyper in (*_V2_HYPER[cls], "decay", "learning_rate"):
-        value = state.non_slots["learning_rate"].value if hyper == "learning_rate" else (
-            np.float32(0.0) if hyper == "decay" else np.float32(getattr(optimizer, hyper)))
+    hypers = {**{hyper: getattr(optimizer, hyper) for hyper in _V2_HYPER[cls]}, "decay": 0.0,
+              "learning_rate": state.non_slots["learning_rate"].value}
+    for hyper, value in hypers.items():
         non_slots[hyper] = varstate.Variable(jnp.asarray(value, jnp.float32), name=f"{cls}/{hyper}",
                                              trainable=False, registry=registry)
     v2 = OptimizerState(slots=optimizer.renamed_slots(params, state, _V2_SLOTS[cls]).slots, non_slots=non_slots)
@@ -541,9 +542,7 @@ def save_optimizer_state(
     ['optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE', 'optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE', \
 'optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE', 'optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE']
     """
-    check_optimizer(optimizer)
-    if not isinstance(state, OptimizerState):
-        raise TypeError(f"state must be the OptimizerState of the optimizer, got {type(state).__name__}")
+    check_optimizer(optimizer, state, "state")
     if layout not in ("keras3", "tf_keras2"):
         raise ValueError(f"layout must be 'keras3' or 'tf_keras2', got {layout!r}")
     if "iteration" not in state.non_slots:
