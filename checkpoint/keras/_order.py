@@ -147,10 +147,7 @@ def merge(blocks: Mapping[str, list[Shape]], target: Sequence[Shape]) -> tuple[l
     seqs = list(_classes(blocks).values())
     # Layers without trainable weights take no place in `target`: they follow their class's previous layer.
     heavy = [[n for n in seq if blocks[n]] for seq in seqs]
-    offsets = [[0] for _ in heavy]
-    for off, seq in zip(offsets, heavy, strict=True):
-        for n in seq:
-            off.append(off[-1] + len(blocks[n]))
+    offsets = [[0, *itertools.accumulate(len(blocks[n]) for n in seq)] for seq in heavy]
     target = [tuple(s) for s in target]
 
     def moves(state: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
