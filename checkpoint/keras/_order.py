@@ -307,17 +307,14 @@ def by_rank(weights: _read.KerasWeights, rank: Mapping[tuple[str, ...], int]) ->
     Layers go by their first ranked weight, a layer's weights by rank; the unranked (non-trainable) keep their
     places after them.
     """
-    def weight_key(lay: _read.LayerLayout, i: int) -> tuple[int, int]:
-        return rank.get((*lay.path, lay.weights[i]), _LAST), i
+    def weight_rank(lay: _read.LayerLayout, name: str) -> int:
+        return rank.get((*lay.path, name), _LAST)
 
-    layout = []
-    for lay in weights.layout:
-        order = sorted(range(len(lay.weights)), key=functools.partial(weight_key, lay))
-        layout.append(lay._replace(
-            weights=tuple(lay.weights[i] for i in order),
-            shapes=tuple(lay.shapes[i] for i in order) if lay.shapes else (),
-            dtypes=tuple(lay.dtypes[i] for i in order) if lay.dtypes else ()))
-    layout.sort(key=lambda lay: weight_key(lay, 0)[0] if lay.weights else _LAST)  # stable: the rest keep their order
+    # Both sorts are stable: the unranked keep their order. A TF checkpoint's layout records no shapes or dtypes
+    # that would have to follow the weights.
+    layout = [lay._replace(weights=tuple(sorted(lay.weights, key=functools.partial(weight_rank, lay))))
+              for lay in weights.layout]
+    layout.sort(key=lambda lay: weight_rank(lay, lay.weights[0]) if lay.weights else _LAST)
     return _rebuilt(weights, layout)
 
 
