@@ -274,7 +274,7 @@ def load_optimizer_state(
         "node= the optimizer's path"))
     kids = g.named(opt)
     if "_variables" in kids:
-        return _load_keras3(g, opt, node, optimizer, params)
+        return _load_keras3(g, kids, node, optimizer, params)
     if "iter" in kids:
         return _load_v2(g, opt, node, optimizer, params)
     raise ValueError(f"{where}: {node!r} is not a Keras optimizer (it has neither Keras 3's '_variables' nor "
@@ -314,8 +314,7 @@ def _model_of(g: _read._Graph, ids: list[int]) -> Any:
     return weights if [leaves[k].name for k in idx] == ["/".join(paths[i]) for i in ids] else None
 
 
-def _load_keras3(g: _read._Graph, opt: int, node: str, optimizer: KerasOptimizer, params: Any):
-    kids = g.named(opt)
+def _load_keras3(g: _read._Graph, kids: dict[str, int], node: str, optimizer: KerasOptimizer, params: Any):
     var_list = g.named(kids["_variables"])
     trainables = g.named(kids["_trainable_variables"]) if "_trainable_variables" in kids else {}
     t_ids = [trainables[str(i)] for i in range(len(trainables))]

@@ -314,8 +314,8 @@ def load_weights(
             f"{path}: not a Keras weights file: expected an HDF5 file (.weights.h5, .h5), a .keras archive, "
             "or a TF checkpoint prefix (the path before '.index')"
         )
-    reader = _storage.open_reader(path)  # FileNotFoundError says what it expected
-    return _read_tf_checkpoint(reader, path, node, registry)
+    # open_reader's FileNotFoundError says what it expected.
+    return _read_tf_checkpoint(_storage.open_reader(path), path, node, registry)
 
 
 # --- Keras 3 .weights.h5 ----------------------------------------------------------------------

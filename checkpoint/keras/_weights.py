@@ -125,8 +125,7 @@ def _plan(weights: Mapping, layout: Sequence[LayerLayout], source: str) -> list[
         for depth, part in enumerate(lay.path):
             if not isinstance(node, Mapping) or part not in node:
                 if not lay.weights:
-                    node = None  # a layer without weights (InputLayer, pooling) need not be given
-                    break
+                    break  # a layer without weights (InputLayer, pooling) need not be given
                 raise ValueError(f"weights has no layer {'/'.join(lay.path[: depth + 1])!r}, which the Keras "
                                  f"layout{of} needs (weights {list(lay.weights)})")
             node = node[part]
