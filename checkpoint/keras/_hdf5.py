@@ -170,10 +170,9 @@ def attribute(obj: Any, name: str, default: Any, where: str) -> Any:
         opened = _SOURCES.get(obj.id.fileno)
         if not opened:
             raise RuntimeError(f"{where}: the file was not opened by checkpoint.keras._hdf5; open it with open_file")
-        strings = opened[-1]
         address = h5py_module().h5o.get_info(obj.id).addr
         try:
-            values = strings.attributes(address)
+            values = opened[-1].attributes(address)  # the reader of the file's latest open
         except (CheckpointFormatError, ImportError):
             raise
         except Exception as e:  # pyfive's own exceptions for damaged bytes: assertions, struct, index, key errors
