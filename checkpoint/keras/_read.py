@@ -11,7 +11,7 @@ import os
 import re
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -669,7 +669,7 @@ def _read_tf_checkpoint(reader, where: str, node: str | None, registry,
     seen = {model, *(j for _, j in layers)}
     tree: dict = {}
     layout: dict[tuple[str, ...], list[str]] = {}
-    found: set[int] = set()
+    found: dict[int, tuple[str, ...]] = {} if ids is None else ids  # each weight's node id -> its key path
     for local_name, layer in layers:
         layer_key = None
         for j, hops, local, attr in _collect(g, layer, seen):
@@ -686,9 +686,7 @@ def _read_tf_checkpoint(reader, where: str, node: str | None, registry,
                 path = (*local_name.split("/"), *(p.lstrip("_") for p in local[:-1]), weight)
             _insert(tree, path, _variable(reader.get(attr.checkpoint_key), path, registry, attr.checkpoint_key), where)
             layout.setdefault(path[:-1], []).append(path[-1])
-            found.add(j)
-            if ids is not None:
-                ids[j] = path
+            found[j] = path
     _check_nothing_hidden(g, model, found, model_path)
     if not tree:
         raise CheckpointFormatError(
@@ -698,7 +696,7 @@ def _read_tf_checkpoint(reader, where: str, node: str | None, registry,
     return _without_groups(tree, layout, where)
 
 
-def _check_nothing_hidden(g: _Graph, model: int, found: set[int], model_path: str) -> None:
+def _check_nothing_hidden(g: _Graph, model: int, found: Container[int], model_path: str) -> None:
     """Raises if the model's optimizer tracks trainable variables that no layer reached (they would be lost)."""
     opt = g.named(model).get(_OPTIMIZER)
     trainable = g.named(opt).get("_trainable_variables") if opt is not None else None
