@@ -94,12 +94,7 @@ def export(directory: str | os.PathLike, root: Any,
     >>> loaded.w.name, loaded.signatures["serve"](jnp.ones((4, 3))).shape
     ('w', (4, 2))
     """
-    directory = os.path.abspath(os.fspath(directory))
-    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-        raise FileExistsError(f"export: {directory!r} exists and is not an empty directory; pick a new one.")
-    if _graph.kind(root) != _graph.Kind.CONTAINER or isinstance(root, Asset):
-        raise TypeError(f"export: root must be a container pytree (dict, list, dataclass, ...), got "
-                        f"{type(root).__name__}; wrap it, e.g. {{'model': root}}.")
+    directory = checked_target("export", directory, root)
     signatures = dict(signatures or {})
     is_asset = lambda x: isinstance(x, Asset)
     stripped = jax.tree.map(lambda x: None if is_asset(x) else x, root, is_leaf=is_asset)
@@ -128,6 +123,17 @@ def export(directory: str | os.PathLike, root: Any,
         _add_signatures(definition, saved, root, signatures, graph, tmp, platforms)
         definition.object_graph.CopyFrom(saved)
         pathlib.Path(tmp, EXPORT_FILE).write_bytes(seal(definition.SerializeToString()))
+    return directory
+
+
+def checked_target(who: str, directory: str | os.PathLike, root: Any) -> str:
+    """`directory` made absolute, once it is free to write to and `root` is a container; `who` names the caller."""
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise FileExistsError(f"{who}: {directory!r} exists and is not an empty directory; pick a new one.")
+    if _graph.kind(root) != _graph.Kind.CONTAINER or isinstance(root, Asset):
+        raise TypeError(f"{who}: root must be a container pytree (dict, list, dataclass, ...), got "
+                        f"{type(root).__name__}; wrap it, e.g. {{'model': root}}.")
     return directory
 
 
@@ -228,26 +234,9 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
     for i, (name, entry) in enumerate(sorted(signatures.items())):
         if not isinstance(name, str) or not name:
             raise TypeError(f"export: signature names must be non-empty strings, got {name!r}.")
-        if not (isinstance(entry, tuple) and len(entry) == 2 and callable(entry[0])
-                and isinstance(entry[1], (tuple, list))):
-            raise TypeError(f"export: signature {name!r} must be (fn, example_args) with fn(root, *example_args), "
-                            f"example_args a tuple; got {entry!r}.")
-        fn, example_args = entry
+        fn, example_args = signature_entry("export", name, entry)
         arg_specs = jax.tree.map(_spec, tuple(example_args))
-        try:
-            # A first trace finds the inputs fn reads: only those are bound, as TF captures only what it reads.
-            flat_fn, specs, bound = _inputs(fn, flat, treedef, leaf_nodes, is_leaf)
-            jaxpr = jax.make_jaxpr(flat_fn)(specs, *arg_specs).jaxpr
-            read = [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
-            used = {v for v in read if not isinstance(v, Literal)}
-            unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
-            flat_fn, specs, bound = _inputs(fn, flat, treedef, [None if n in unused else n for n in leaf_nodes],
-                                            is_leaf)
-            with _jax_private.file_names_without_directories():  # the file carries no paths of the machine that made it
-                exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
-        except Exception as e:
-            e.add_note(f"while exporting signature {name!r} with jax.export")
-            raise
+        exported, bound = export_reading(fn, flat, treedef, leaf_nodes, is_leaf, arg_specs, platforms, name)
         fname = f"__inference_{re.sub(r'[^A-Za-z0-9_]', '_', name)}_{i}"
         data = exported.serialize()
         os.makedirs(os.path.join(tmp, "functions"), exist_ok=True)
@@ -259,6 +248,35 @@ def _add_signatures(definition, saved, root, signatures, graph, tmp, platforms) 
         cf.output_signature.CopyFrom(encode_structure(exported.out_tree.unflatten(exported.out_avals)))
         bare = _add_child(saved, sig_map, name).bare_concrete_function
         bare.concrete_function_name, bare.allowed_positional_arguments = fname, len(example_args)
+
+
+def signature_entry(who: str, name: str, entry: Any) -> tuple[Callable[..., Any], Any]:
+    """Signature `name`'s `entry` as ``(fn, example_args)``; `who` names the caller."""
+    if not (isinstance(entry, tuple) and len(entry) == 2 and callable(entry[0])
+            and isinstance(entry[1], (tuple, list))):
+        raise TypeError(f"{who}: signature {name!r} must be (fn, example_args) with fn(root, *example_args), "
+                        f"example_args a tuple; got {entry!r}.")
+    return entry
+
+
+def export_reading(fn: Callable[..., Any], flat: list, treedef: Any, leaf_nodes: list[int | None],
+                   is_leaf: Callable[[Any], bool], arg_specs: Any, platforms: tuple[str, ...] | None,
+                   name: str) -> tuple[jax.export.Exported, list[int]]:
+    """`fn` exported with the root leaves it reads of those with a node in `leaf_nodes` as inputs; their nodes."""
+    try:
+        # A first trace finds the inputs fn reads: only those are bound, as TF captures only what it reads.
+        flat_fn, specs, bound = _inputs(fn, flat, treedef, leaf_nodes, is_leaf)
+        jaxpr = jax.make_jaxpr(flat_fn)(specs, *arg_specs).jaxpr
+        read = [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
+        used = {v for v in read if not isinstance(v, Literal)}
+        unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
+        flat_fn, specs, bound = _inputs(fn, flat, treedef, [None if n in unused else n for n in leaf_nodes], is_leaf)
+        with _jax_private.file_names_without_directories():  # the function carries no paths of the machine
+            exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
+    except Exception as e:
+        e.add_note(f"while exporting signature {name!r} with jax.export")
+        raise
+    return exported, bound
 
 
 def _inputs(fn, flat, treedef, leaf_nodes, is_leaf):

@@ -33,12 +33,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import Literal
 
 from checkpoint import _dtypes, _graph, _keys, _storage
-from checkpoint._export import _jax_private
+from checkpoint._export import _save
 from checkpoint._export._format import GENERIC, SIGNATURE_MAP, SIGNATURES, Asset
-from checkpoint._export._save import _describe_container, _inputs, _node_at, _spec
 from checkpoint._storage import SAVED_MODEL_FILE
 from checkpoint._storage._bundle_writer import tf_tensors
 from checkpoint._storage._files import replacing
@@ -128,13 +126,7 @@ def export_saved_model(directory: str | os.PathLike, root: Any,
     >>> sig.inputs["x"].tensor, sig.inputs["x"].shape, sig.outputs["scores"].shape
     ('serving_default_x:0', (None, 3), (None, 2))
     """
-    directory = os.path.abspath(os.fspath(directory))
-    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-        raise FileExistsError(f"export_saved_model: {directory!r} exists and is not an empty directory; "
-                              "pick a new one.")
-    if _graph.kind(root) != _graph.Kind.CONTAINER or isinstance(root, Asset):
-        raise TypeError(f"export_saved_model: root must be a container pytree (dict, list, dataclass, ...), got "
-                        f"{type(root).__name__}; wrap it, e.g. {{'model': root}}.")
+    directory = _save.checked_target("export_saved_model", directory, root)
     signatures = dict(signatures or {})
     if not signatures:
         raise ValueError("export_saved_model: expected at least one signature, found none; pass "
@@ -164,7 +156,7 @@ def export_saved_model(directory: str | os.PathLike, root: Any,
             "shared_name": _attr(s=name.encode())})
     sig_map = len(saved.nodes)
     saved.nodes[0].children.add(node_id=sig_map, local_name=SIGNATURES)
-    _describe_container(saved.nodes.add(), None, SIGNATURE_MAP)
+    _save._describe_container(saved.nodes.add(), None, SIGNATURE_MAP)
     for k, (name, entry) in enumerate(sorted(signatures.items(), key=lambda kv: str(kv[0]))):
         _signature(gdef, meta, saved, sig_map, name, entry, k, root, variables, handles, taken,
                    _unique("StatefulPartitionedCall", taken), platforms)
@@ -188,7 +180,7 @@ def _object_graph(graph: Any, tensors: dict[str, Any]) -> tuple[pb.SavedObjectGr
             raise ValueError(f"export_saved_model: {graph.paths[i] or '(root)'!r} is an optimizer with slot "
                              "variables; a served model has none. Export the model's Variables without it.")
         if not node.attributes:
-            _describe_container(out, graph.objects[i] if i else None, None if i else GENERIC)
+            _save._describe_container(out, graph.objects[i] if i else None, None if i else GENERIC)
             continue
         if len(node.attributes) != 1:
             raise ValueError(f"export_saved_model: {graph.paths[i]!r} is a PRNG key, which TF cannot hold; "
@@ -309,11 +301,7 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
     if not isinstance(name, str) or not _KEY.fullmatch(name):
         raise ValueError(f"export_saved_model: signature name {name!r} is not an identifier (letters, digits, "
                          "_); TF serves signatures by such names, e.g. 'serving_default'.")
-    if not (isinstance(entry, tuple) and len(entry) == 2 and callable(entry[0])
-            and isinstance(entry[1], (tuple, list))):
-        raise TypeError(f"export_saved_model: signature {name!r} must be (fn, example_args) with "
-                        f"fn(root, *example_args), example_args a tuple; got {entry!r}.")
-    fn, example_args = entry
+    fn, example_args = _save.signature_entry("export_saved_model", name, entry)
     arg_names = _arg_names(fn, len(example_args), name)
     arg_specs = []
     for arg, a in zip(arg_names, example_args, strict=True):
@@ -321,7 +309,7 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
             raise TypeError(f"export_saved_model: argument {arg!r} of signature {name!r} is a "
                             f"{type(a).__name__}; a SignatureDef input is one array. Pass an array or a "
                             "jax.ShapeDtypeStruct per argument.")
-        arg_specs.append(_spec(a))
+        arg_specs.append(_save._spec(a))
     exported, bound = _export(fn, root, saved, handles, arg_specs, platforms, name)
     _check_exported(exported, name)
     for node, aval in zip(bound, exported.in_avals, strict=False):
@@ -415,25 +403,12 @@ def _export(fn: Callable[..., Any], root: Any, saved: pb.SavedObjectGraph, handl
     node_of_rid: dict[int, int | None] = {}
     leaf_nodes: list[int | None] = []
     for path, leaf in flat:
-        node = _node_at(saved, [_keys.local_name(p) for p in path])
+        node = _save._node_at(saved, [_keys.local_name(p) for p in path])
         var = _graph.as_variable(leaf)
         if var is not None:  # one Variable at two paths is one node, found at its first path
             node = node_of_rid.setdefault(var.resource_id, node)
         leaf_nodes.append(node if node in handles else None)
-    try:
-        # A first trace finds the inputs fn reads: only those are bound, as TF captures only what it reads.
-        flat_fn, specs, bound = _inputs(fn, flat, treedef, leaf_nodes, is_leaf)
-        jaxpr = jax.make_jaxpr(flat_fn)(specs, *arg_specs).jaxpr
-        read = [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
-        used = {v for v in read if not isinstance(v, Literal)}
-        unused = {n for n, v in zip(bound, jaxpr.invars, strict=False) if v not in used}
-        flat_fn, specs, bound = _inputs(fn, flat, treedef, [None if n in unused else n for n in leaf_nodes], is_leaf)
-        with _jax_private.file_names_without_directories():  # the module carries no paths of this machine
-            exported = jax.export.export(jax.jit(flat_fn), platforms=platforms)(specs, *arg_specs)
-    except Exception as e:
-        e.add_note(f"while exporting signature {name!r} with jax.export")
-        raise
-    return exported, bound
+    return _save.export_reading(fn, flat, treedef, leaf_nodes, is_leaf, arg_specs, platforms, name)
 
 
 def _saver(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, variables: dict[int, TFVariable],
