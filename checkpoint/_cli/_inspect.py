@@ -222,8 +222,7 @@ def _inspect_saved_model(args) -> int:
             info: dict[str, Any] = {"dtype": None if n.dtype is None else out.dtype_name(n.dtype),
                                     "shape": None if n.shape is None else list(n.shape)}
             if value is not None:
-                info["bytes"] = (sum(len(x) for x in np.asarray(value).ravel()) if out.is_str(value.dtype)
-                                 else int(value.nbytes))
+                info["bytes"] = out.value_bytes(value)
             shape = "unknown rank" if n.shape is None else str(tuple(n.shape))
             size = f" {out.human(info['bytes'])}" if "bytes" in info else ""
             label = f"variable {n.name!r}{'' if n.trainable else ', not trainable'}  {info['dtype']} {shape}{size}"

@@ -50,18 +50,7 @@ def _read_all(reader, keys: list[str], what: str) -> Iterator[tuple[str, np.ndar
             progress.advance(task, sizes[key])
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        return False
-    if out.is_str(a.dtype) and out.is_str(b.dtype):
-        return all(bytes(x) == bytes(y) for x, y in zip(a.ravel(), b.ravel(), strict=True))
-    # Bitwise: NaNs and signed zeros must survive a conversion unchanged.
-    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
-
-
 def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
-    from checkpoint._storage import _orbax
     from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
     values: dict[str, Any] = dict(tensors)
@@ -75,12 +64,7 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
             if values[key] is None:
                 raise out.UsageError(f"{key!r} is a string tensor, which the orbax format cannot hold; convert --to tf")
     # A name-based checkpoint keeps its names as keys, with an empty object graph.
-    tree, meta = _orbax.layout(values, graph if graph is not None else TrackableObjectGraph())
-    checkpointer = _orbax.checkpointer()
-    try:
-        checkpointer.save(os.path.abspath(path), args=_orbax.save_args(tree, meta))
-    finally:
-        checkpointer.close()
+    out.write_orbax(os.path.abspath(path), values, graph if graph is not None else TrackableObjectGraph())
 
 
 def _open(path: str) -> Any:
@@ -105,13 +89,8 @@ def _convert(args) -> int:
     else:
         _write_orbax(args.dst, tensors, graph)
     back = _storage.open_reader(args.dst)
-    if set(out.key_list(back)) != set(keys):
-        raise out.UsageError(f"verification failed: {args.dst!r} holds keys {out.key_list(back)}, expected {keys}")
-    if out.object_graph(back) != graph:
-        raise out.UsageError(f"verification failed: the object graph of {args.dst!r} differs from the source's")
-    for key, value in _read_all(back, keys, "verifying"):
-        if not _same(value, tensors[key]):
-            raise out.UsageError(f"verification failed: {key!r} in {args.dst!r} differs from the source")
+    out.check_copy(args.dst, back, keys, graph, "the source's",
+                   ((key, tensors[key], value) for key, value in _read_all(back, keys, "verifying")))
     total = sum(out.nbytes(back, k) for k in keys)
     print(f"wrote {args.dst} ({args.to}): {len(keys)} values, {out.human(total)}; verified by reading it back")
     return 0
@@ -123,7 +102,7 @@ def _verify_safetensors(dst: str, names: dict[str, str], tensors: dict[str, np.n
         raise out.UsageError(f"verification failed: {dst!r} holds tensors {sorted(back.keys())}, expected "
                              f"{sorted(names)}")
     for name, value in _read_all(back, list(names), "verifying"):
-        if not _same(value, tensors[names[name]]):
+        if not out.same(value, tensors[names[name]]):
             raise out.UsageError(f"verification failed: {name!r} in {dst!r} differs from the source's "
                                  f"{names[name]!r}")
     total = sum(out.nbytes(back, n) for n in names)
@@ -134,7 +113,7 @@ def _verify_safetensors(dst: str, names: dict[str, str], tensors: dict[str, np.n
 # --- diff ----------------------------------------------------------------------
 def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     if out.is_str(a.dtype):
-        return 0.0 if _same(a, b) else float("inf")
+        return 0.0 if out.same(a, b) else float("inf")
     if a.size == 0:
         return 0.0
     if a.dtype.kind == "b":

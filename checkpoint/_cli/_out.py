@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import unicodedata
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -82,11 +83,28 @@ def dtype_name(dtype: np.dtype) -> str:
     return "string" if is_str(dtype) else np.dtype(dtype).name
 
 
+def value_bytes(value: Any) -> int:
+    """The bytes of a value: a string tensor's are the lengths of its strings."""
+    value = np.asarray(value)
+    return sum(len(x) for x in value.ravel()) if is_str(value.dtype) else int(value.nbytes)
+
+
 def nbytes(reader, key: str) -> int:
     dtype = np.dtype(reader.dtype(key))
     if is_str(dtype):  # strings: their bytes are only known once read
-        return sum(len(x) for x in np.asarray(reader.get(key)).ravel())
+        return value_bytes(reader.get(key))
     return int(np.prod(reader.shape(key), dtype=np.int64)) * dtype.itemsize
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two values are identical: shape, dtype (any string kind matches another) and every bit."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return False
+    if is_str(a.dtype) and is_str(b.dtype):
+        return all(bytes(x) == bytes(y) for x, y in zip(a.ravel(), b.ravel(), strict=True))
+    # Bitwise: NaNs and signed zeros must come through a copy unchanged.
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def describe_value(reader, key: str) -> tuple[str, str, int]:
@@ -95,6 +113,31 @@ def describe_value(reader, key: str) -> tuple[str, str, int]:
 
 def key_list(reader) -> list[str]:
     return sorted(k for k in reader.keys() if k != _keys.OBJECT_GRAPH_KEY)
+
+
+def check_copy(dst: str, back, keys: list[str], graph: Any, graph_source: str,
+               pairs: Iterator[tuple[str, Any, Any]]) -> None:
+    """Raises UsageError unless `back`, read from `dst`, holds `keys` (sorted) and `graph`, and each pair
+    (key, value written, value read back) is the `same`; `graph_source` names where `graph` came from."""
+    if key_list(back) != keys:
+        raise UsageError(f"verification failed: {dst!r} holds keys {key_list(back)}, expected {keys}")
+    if object_graph(back) != graph:
+        raise UsageError(f"verification failed: the object graph of {dst!r} differs from {graph_source}")
+    for key, a, b in pairs:
+        if not same(a, b):
+            raise UsageError(f"verification failed: {key!r} in {dst!r} differs from the source")
+
+
+def write_orbax(path: str, values: dict[str, Any], graph: Any) -> None:
+    """Writes `values` (by checkpoint key) and the object graph `graph` at `path`, in this library's orbax format."""
+    from checkpoint._storage import _orbax
+
+    tree, meta = _orbax.layout(values, graph)
+    checkpointer = _orbax.checkpointer()
+    try:
+        checkpointer.save(path, args=_orbax.save_args(tree, meta))
+    finally:
+        checkpointer.close()
 
 
 def object_graph(reader) -> Any:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,8 @@ def strip_optimizer(args) -> int:
     keys = [k for k in out.key_list(reader) if k not in gone]
     dropped = [k for k in out.key_list(reader) if k in gone]
     _write(fmt, dst, reader, keys, new_graph)
-    _check(dst, reader, keys, new_graph)
+    back = _storage.open_reader(dst)
+    out.check_copy(dst, back, keys, new_graph, "the one written", ((k, reader.get(k), back.get(k)) for k in keys))
     names = _keys.first_paths(graph.nodes)
     owners = ", ".join("/".join(names.get(i, (f"node {i}",))) or "(root)" for i in optimizers)
     slots = sum(len(graph.nodes[i].slot_variables) for i in optimizers)
@@ -148,42 +148,10 @@ def _write(fmt: str, dst: str, reader, keys: list[str], graph: TrackableObjectGr
 
 
 def _write_orbax(temp: str, reader, keys: list[str], graph: TrackableObjectGraph):
-    from checkpoint._storage import _orbax
-
     values: dict[str, Any] = {}
     for key in keys:
         entry = reader._lookup(key)  # a Python value stays one (an int step, a str)
         values[key] = entry["value"] if "python" in entry else reader.get(key)
-    tree, meta = _orbax.layout(values, graph)
-    checkpointer = _orbax.checkpointer()
-    try:
-        checkpointer.save(temp, args=_orbax.save_args(tree, meta))
-    finally:
-        checkpointer.close()
+    out.write_orbax(temp, values, graph)
     return lambda: None
 
-
-def _check(dst: str, reader, keys: list[str], graph: TrackableObjectGraph) -> None:
-    back = _storage.open_reader(dst)
-    if out.key_list(back) != sorted(keys):
-        raise out.UsageError(f"verification failed: {dst!r} holds keys {out.key_list(back)}, expected {sorted(keys)}")
-    if out.object_graph(back) != graph:
-        raise out.UsageError(f"verification failed: the object graph of {dst!r} differs from the one written")
-    for key, a, b in _pairs(reader, back, keys):
-        if not _identical(a, b):
-            raise out.UsageError(f"verification failed: {key!r} in {dst!r} differs from the source")
-
-
-def _pairs(a, b, keys: list[str]) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    for key in keys:
-        yield key, np.asarray(a.get(key)), np.asarray(b.get(key))
-
-
-def _identical(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.shape != b.shape:
-        return False
-    if out.is_str(a.dtype) or out.is_str(b.dtype):
-        return out.is_str(a.dtype) and out.is_str(b.dtype) and [bytes(x) for x in a.ravel()] == [
-            bytes(x) for x in b.ravel()]
-    # Bitwise: NaNs and signed zeros must come through unchanged.
-    return a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -114,7 +114,7 @@ def _values(reader) -> Iterator[tuple[str, int]]:
             value = np.asarray(reader.get(key))
         except _READ_ERRORS as e:
             raise _DamageError(key, e) from None
-        yield key, _nbytes(value)
+        yield key, out.value_bytes(value)
         del value
         # This library's orbax reader keeps what it read for later restores: drop it once its batch is done.
         if cached and (key not in batch_of or i + 1 == len(keys) or batch_of.get(keys[i + 1]) != batch_of[key]):
@@ -124,12 +124,6 @@ def _values(reader) -> Iterator[tuple[str, int]]:
 def _orbax_batches(reader) -> dict[str, int]:
     """{key: the batch it is stored in} of this library's orbax reader, for the values stored in batches."""
     return {k: e["pack"] for k, e in reader._entries.items() if isinstance(e, dict) and "pack" in e}
-
-
-def _nbytes(value: np.ndarray) -> int:
-    if out.is_str(value.dtype):
-        return sum(len(x) for x in value.ravel())
-    return int(value.nbytes)
 
 
 def _safetensors(path: str) -> tuple[str, bool, Iterator[tuple[str, int]]]:
@@ -190,6 +184,6 @@ def _keras(path: str, stack: contextlib.ExitStack) -> tuple[str, Iterator[tuple[
                 value = np.asarray(ds[()])
             except _READ_ERRORS as e:
                 raise _DamageError(name, e, fmt) from None
-            yield name, _nbytes(value)
+            yield name, out.value_bytes(value)
 
     return fmt, values()
