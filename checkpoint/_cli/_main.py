@@ -31,6 +31,7 @@ from checkpoint._cli import _safetensors as safetensors
 from checkpoint._cli._inspect import inspect
 from checkpoint._cli._strip import strip_optimizer
 from checkpoint._cli._verify import verify
+from checkpoint._storage._safetensors import is_safetensors
 
 
 # --- convert -------------------------------------------------------------------
@@ -69,7 +70,7 @@ def _write_orbax(path: str, tensors: dict[str, np.ndarray], graph: Any) -> None:
 
 def _open(path: str) -> Any:
     """A reader for any checkpoint `_storage.open_reader` opens, or a safetensors file or index."""
-    return safetensors.CheckpointView(path) if safetensors.is_safetensors(path) else _storage.open_reader(path)
+    return safetensors.CheckpointView(path) if is_safetensors(path) else _storage.open_reader(path)
 
 
 def _convert(args) -> int:
@@ -206,8 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="a checkpoint directory, prefix, or `checkpoint` state file, an export directory, "
                                 "or a TF SavedModel directory")
     i.add_argument("--key", help="print one value's summary (min/max/mean, first values)")
-    i.add_argument("--json", action="store_true", help="print JSON instead of text")
-    i.set_defaults(run=lambda args: (safetensors.inspect if safetensors.is_safetensors(args.path) else inspect)(args))
+    i.set_defaults(run=lambda args: (safetensors.inspect if is_safetensors(args.path) else inspect)(args))
     c = sub.add_parser("convert", help="write a checkpoint in another format and verify it")
     c.add_argument("src", help="a checkpoint, an export or TF SavedModel directory (its variables), or a "
                                "safetensors file or index")
@@ -222,19 +222,19 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("b")
     d.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still a match (default 0)")
     d.add_argument("--only-diff", action="store_true", help="list only the shared keys whose values differ")
-    d.add_argument("--json", action="store_true", help="print JSON instead of text")
     d.set_defaults(run=_diff)
     v = sub.add_parser("verify", help="every checksum of the metadata and of every value, each value read once "
                                       "(exit 0: intact, 1: damaged); formats without checksums: structure and reads")
     v.add_argument("path", help="a checkpoint, an export or TF SavedModel directory, a Keras .weights.h5/.h5/.keras "
                                 "file, or a .safetensors file or index")
-    v.add_argument("--json", action="store_true", help="print JSON instead of text")
     v.set_defaults(run=verify)
     s = sub.add_parser("strip-optimizer", help="a copy without the optimizer state (slot variables, the optimizer "
                                                "objects and their other values), in the same format, verified")
     s.add_argument("src", help="a TF object-based or orbax-format checkpoint of this library")
     s.add_argument("dst", help="the new checkpoint: a TF prefix or an orbax directory, as SRC is; must not exist")
     s.set_defaults(run=strip_optimizer)
+    for command in (i, d, v):
+        command.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
 

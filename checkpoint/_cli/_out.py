@@ -68,11 +68,11 @@ def number(x: Any) -> Any:
 
 # --- values -------------------------------------------------------------------
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f} GiB"
 
 
 def is_str(dtype: np.dtype) -> bool:

@@ -25,10 +25,6 @@ from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 _SPECIAL = {_keys.value_suffix(_keys.PY_STATE): st.PYTHON, _keys.value_suffix(st.PRNG_ATTRIBUTE): st.PRNG_IMPL}
 
 
-def is_safetensors(path: str) -> bool:
-    return st.is_safetensors(path)
-
-
 # --- to safetensors ---------------------------------------------------------------
 def _text(value: np.ndarray, key: str) -> Any:
     """A stored Python value (a scalar) as JSON data."""
@@ -70,12 +66,12 @@ class CheckpointView:
     def __init__(self, path: str) -> None:
         self.file = st.SafetensorsReader(path)
         self.path, self.format_name = self.file.path, self.file.format_name
-        self.values: dict[str, Any] = {}  # checkpoint key -> tensor name, or a Python value from the metadata
         self.object_graph = None
-        if self.file.metadata.get(st.NAMES_ARE_PATHS) != st.PATHS:
-            self.values = {name: name for name in self.file.keys()}
+        paths = self.file.metadata.get(st.NAMES_ARE_PATHS) == st.PATHS
+        # checkpoint key -> tensor name, or a Python value from the metadata
+        self.values: dict[str, Any] = {_keys.attribute_key(name) if paths else name: name for name in self.file.keys()}
+        if not paths:
             return
-        self.values = {_keys.attribute_key(name): name for name in self.file.keys()}
         for suffix, entry in _SPECIAL.items():
             try:
                 found = json.loads(self.file.metadata.get(entry, "{}"))

@@ -71,14 +71,12 @@ def strip_optimizer(args) -> int:
 
 
 def _format_of(reader) -> str:
-    kind = type(reader).__name__
-    if kind == "BundleReader":
-        return "tf"
-    if kind == "OrbaxReader":
-        return "orbax"
-    raise out.UsageError(f"{reader.path} ({reader.format_name}) has no object graph of its own, so which of its "
-                         "values are optimizer state is not recorded; strip-optimizer reads TF object-based "
-                         "checkpoints and this library's orbax format")
+    fmt = {"BundleReader": "tf", "OrbaxReader": "orbax"}.get(type(reader).__name__)
+    if fmt is None:
+        raise out.UsageError(f"{reader.path} ({reader.format_name}) has no object graph of its own, so which of "
+                             "its values are optimizer state is not recorded; strip-optimizer reads TF object-based "
+                             "checkpoints and this library's orbax format")
+    return fmt
 
 
 def _attribute_keys(graph: TrackableObjectGraph) -> set[str]:

@@ -155,8 +155,7 @@ def export_saved_model(directory: str | os.PathLike, root: Any,
             "dtype": _attr(type=_enum(dtype, name)), "shape": _attr(shape=_shape(shape)),
             "shared_name": _attr(s=name.encode())})
     sig_map = len(saved.nodes)
-    saved.nodes[0].children.add(node_id=sig_map, local_name=SIGNATURES)
-    _save._describe_container(saved.nodes.add(), None, SIGNATURE_MAP)
+    _save._describe_container(_save._add_child(saved, 0, SIGNATURES), None, SIGNATURE_MAP)
     for k, (name, entry) in enumerate(sorted(signatures.items(), key=lambda kv: str(kv[0]))):
         _signature(gdef, meta, saved, sig_map, name, entry, k, root, variables, handles, taken,
                    _unique("StatefulPartitionedCall", taken), platforms)
@@ -382,8 +381,7 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
         [pb.StructuredValue(tuple_value=pb.TupleValue()), pb.StructuredValue(dict_value=kwargs)])
     cf.output_signature.dict_value.CopyFrom(pb.DictValue(fields={
         key: _spec_value(key, outs[outputs[key]].shape, outs[outputs[key]].dtype) for key in out_order}))
-    saved.nodes[sig_map].children.add(node_id=len(saved.nodes), local_name=name)
-    bare = saved.nodes.add().bare_concrete_function
+    bare = _save._add_child(saved, sig_map, name).bare_concrete_function
     bare.concrete_function_name = fname
     bare.argument_keywords.extend(in_order)
 
