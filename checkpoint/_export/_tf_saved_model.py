@@ -319,20 +319,25 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
     outputs = _output_keys(exported.out_tree.unflatten(list(range(len(exported.out_avals)))), name)
     fname = f"__inference_signature_wrapper_{name}_{k}"
     # The function's arguments: the inputs by name (TF flattens keyword arguments in sorted order), then the
-    # variables it reads. OpDef argument names must be lower case.
+    # variables it reads. OpDef argument names must be lower case. The graph: a placeholder per input and one
+    # call, which the SignatureDef names.
     fdef = gdef.library.function.add()
     op = fdef.signature
     op.name, op.is_stateful = fname, True
+    sdef = meta.signature_def[name]
+    sdef.method_name = PREDICT
     local: set[str] = set()
     arg_of: dict[str, str] = {}
     in_order = sorted(arg_names)
     spec_of = dict(zip(arg_names, arg_specs, strict=True))
     for arg in in_order:
-        arg_of[arg] = _unique(_lower(arg), local)
-        op.input_arg.add(name=arg_of[arg], type=_enum(spec_of[arg].dtype, arg))
+        arg_of[arg], ph = _unique(_lower(arg), local), _unique(f"{name}_{arg}", taken)
+        shape, dtype = _shape(spec_of[arg].shape), _enum(spec_of[arg].dtype, arg)
+        op.input_arg.add(name=arg_of[arg], type=dtype)
+        gdef.node.add(name=ph, op="Placeholder", attr={"dtype": _attr(type=dtype), "shape": _attr(shape=shape)})
+        sdef.inputs[arg].CopyFrom(mpb.TensorInfo(name=f"{ph}:0", dtype=dtype, tensor_shape=shape))
     resources = [_unique(f"resource_{j}", local) for j in range(len(bound))]
-    for r in resources:
-        op.input_arg.add(name=r, type=types_pb2.DT_RESOURCE)
+    op.input_arg.extend(gpb.OpDef.ArgDef(name=r, type=types_pb2.DT_RESOURCE) for r in resources)
     operands = []
     for i in exported.module_kept_var_idx:
         if i < len(bound):
@@ -351,28 +356,17 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
         "Tin": _types(*(_enum(exported.in_avals[i].dtype, name) for i in exported.module_kept_var_idx)),
         "platforms": _attr(list=gpb.AttrValue.ListValue(s=[p.upper().encode() for p in exported.platforms]))})
     out_order = sorted(outputs)
-    for key in out_order:
-        out = _unique(_lower(key), local)
-        op.output_arg.add(name=out, type=_enum(outs[outputs[key]].dtype, key))
+    for j, key in enumerate(out_order):
+        a, out = outs[outputs[key]], _unique(_lower(key), local)
+        op.output_arg.add(name=out, type=_enum(a.dtype, key))
         fdef.ret[out] = f"XlaCallModule:output:{outputs[key]}"
-    # The graph: a placeholder per input and one call, which the SignatureDef names.
-    sdef = meta.signature_def[name]
-    sdef.method_name = PREDICT
-    for arg in in_order:
-        ph = _unique(f"{name}_{arg}", taken)
-        shape = _shape(spec_of[arg].shape)
-        dtype = _enum(spec_of[arg].dtype, arg)
-        gdef.node.add(name=ph, op="Placeholder", attr={"dtype": _attr(type=dtype), "shape": _attr(shape=shape)})
-        sdef.inputs[arg].CopyFrom(mpb.TensorInfo(name=f"{ph}:0", dtype=dtype, tensor_shape=shape))
+        sdef.outputs[key].CopyFrom(mpb.TensorInfo(name=f"{call}:{j}", dtype=_enum(a.dtype, key),
+                                                  tensor_shape=_shape(a.shape)))
     gdef.node.add(name=call, op="StatefulPartitionedCall",
                   input=[*(t.name[:-2] for t in (sdef.inputs[a] for a in in_order)), *(handles[n] for n in bound)],
                   attr={"f": _attr(func=gpb.NameAttrList(name=fname)),
                         "Tin": _types(*(a.type for a in op.input_arg)),
                         "Tout": _types(*(a.type for a in op.output_arg))})
-    for j, key in enumerate(out_order):
-        a = outs[outputs[key]]
-        sdef.outputs[key].CopyFrom(mpb.TensorInfo(name=f"{call}:{j}", dtype=_enum(a.dtype, key),
-                                                  tensor_shape=_shape(a.shape)))
     # The object graph: a bare concrete function under "signatures", called with keyword arguments.
     cf = saved.concrete_functions[fname]
     cf.bound_inputs.extend(bound)
