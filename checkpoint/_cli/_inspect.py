@@ -331,10 +331,8 @@ def _inspect_export(args) -> int:
         return 0
     text = _coder.structure_text
     args_text = lambda x: f"({', '.join(map(text, x))})" if isinstance(x, list) else text(x)
-    lines = [f"signature {s['name']}: {args_text(s['inputs'])} -> {text(s['outputs'])}"
-             f"  platforms: {', '.join(s['platforms'])}  reads: {', '.join(s['reads']) or 'nothing'}"
-             for s in signatures]
     _print_tree(f"{directory}: export (format version {version})", rows, _total(n_values, total))
-    for line in lines:
-        out.say(line)
+    for s in signatures:
+        out.say(f"signature {s['name']}: {args_text(s['inputs'])} -> {text(s['outputs'])}"
+                f"  platforms: {', '.join(s['platforms'])}  reads: {', '.join(s['reads']) or 'nothing'}")
     return 0

@@ -90,21 +90,17 @@ class CheckpointView:
     def __contains__(self, key: str) -> bool:
         return key in self.values
 
-    def _tensor(self, key: str) -> str | None:
-        name = self.values[key]
-        return name if isinstance(name, str) else None
-
     def shape(self, key: str) -> tuple[int, ...]:
-        name = self._tensor(key)
-        return self.file.shape(name) if name is not None else self.values[key].shape
+        value = self.values[key]  # a tensor's name, or a value from the metadata
+        return self.file.shape(value) if isinstance(value, str) else value.shape
 
     def dtype(self, key: str) -> np.dtype:
-        name = self._tensor(key)
-        return self.file.dtype(name) if name is not None else self.values[key].dtype
+        value = self.values[key]
+        return self.file.dtype(value) if isinstance(value, str) else value.dtype
 
     def get(self, key: str) -> np.ndarray:
-        name = self._tensor(key)
-        return self.file.get(name) if name is not None else self.values[key]
+        value = self.values[key]
+        return self.file.get(value) if isinstance(value, str) else value
 
     def get_slices(self, key: str) -> list:
         return []
