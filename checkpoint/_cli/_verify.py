@@ -28,6 +28,7 @@ import numpy as np
 from checkpoint import _storage
 from checkpoint._cli import _out as out
 from checkpoint._errors import DataLossError
+from checkpoint._storage._safetensors import SafetensorsReader
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _KERAS_SUFFIXES = (".h5", ".hdf5", ".keras")
@@ -127,11 +128,6 @@ def _orbax_batches(reader) -> dict[str, int]:
 
 
 def _safetensors(path: str) -> tuple[str, bool, Iterator[tuple[str, int]]]:
-    try:
-        from checkpoint._storage._safetensors import SafetensorsReader
-    except ImportError:
-        raise out.UsageError(f"{path}: a safetensors file, which this version of varstate cannot read yet; "
-                             "skipped") from None
     try:
         reader = SafetensorsReader(path)
     except DataLossError as e:  # its header or index is damaged

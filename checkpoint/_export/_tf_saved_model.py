@@ -142,11 +142,10 @@ def export_saved_model(directory: str | os.PathLike, root: Any,
     graph = _graph.build(kids)
     tensors = tf_tensors(_graph.values(graph), graph.proto.SerializeToString())
     saved, variables = _object_graph(graph, tensors)
-    meta = mpb.MetaGraphDef()
-    meta.meta_info_def.tags.append("serve")
-    meta.meta_info_def.stripped_default_attrs = True
+    versions = VersionDef(producer=GRAPH_PRODUCER, min_consumer=GRAPH_MIN_CONSUMER)
+    meta = mpb.MetaGraphDef(meta_info_def=mpb.MetaGraphDef.MetaInfoDef(tags=["serve"], stripped_default_attrs=True),
+                            graph_def=gpb.GraphDef(versions=versions))
     gdef = meta.graph_def
-    gdef.versions.CopyFrom(VersionDef(producer=GRAPH_PRODUCER, min_consumer=GRAPH_MIN_CONSUMER))
     handles = {}
     taken: set[str] = set()
     for i, (_, dtype, shape) in variables.items():
@@ -441,8 +440,7 @@ def _saver(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, variables: dict[int, TFVa
             for j, dtype in enumerate(dtypes):
                 fdef.node_def.add(name=done[j], op="AssignVariableOp",
                                   input=[f"resource_{j}", f"RestoreV2:tensors:{j}"], attr={"dtype": _attr(type=dtype)})
-        for d in done:
-            fdef.control_ret[d] = d
+        fdef.control_ret.update({d: d for d in done})
         op.control_output.extend(done)
         # Returns the prefix once the variables are written or assigned, as TF's own functions do.
         fdef.node_def.add(name="Identity", op="Identity", input=["file_prefix", *(f"^{d}" for d in done)],
