@@ -238,16 +238,15 @@ def _inspect_saved_model(args) -> int:
         {"name": sig.name, "method_name": sig.method_name, "inputs": {k: _spec_json(x) for k, x in sig.inputs.items()},
          "outputs": {k: _spec_json(x) for k, x in sig.outputs.items()}} for sig in sm.signatures.values()]
     total = sum(r["variable"].get("bytes", 0) for r in rows if "variable" in r)
-    n_values = len(sm.variables)
     if args.json:
         out.print_json({"path": sm.path, "format": "saved_model", "tags": list(sm.tags),
-                     "tensorflow_version": sm.tensorflow_version, "values": n_values, "bytes": total,
-                     "variables_prefix": sm.variables_prefix, "objects": rows, "signatures": signatures,
+                     "tensorflow_version": sm.tensorflow_version, "values": len(sm.variables),
+                     "bytes": total, "variables_prefix": sm.variables_prefix, "objects": rows, "signatures": signatures,
                      "assets": dict(sm.assets)})
         return 0
     title = (f"{sm.path}: TF SavedModel (tags: {', '.join(sm.tags) or 'none'}; "
              f"written by TensorFlow {sm.tensorflow_version or 'unknown'})")
-    _print_tree(title, rows, _total(n_values, total))
+    _print_tree(title, rows, _total(len(sm.variables), total))
     for sig in signatures:
         ins, outs = (", ".join(_spec_text(k, v) for k, v in sig[side].items()) for side in ("inputs", "outputs"))
         out.say(f"signature {sig['name']}: ({ins}) -> ({outs})")

@@ -190,11 +190,10 @@ def _object_graph(graph: Any, tensors: dict[str, Any]) -> tuple[pb.SavedObjectGr
                              "serving does not support here; export the full value as one Variable.")
         value = np.asarray(tensors[key])
         var = _graph.as_variable(obj)
-        name = var.name if var is not None else graph.paths[i]
         v = out.variable
         v.dtype = _enum(value.dtype, graph.paths[i])
         v.shape.CopyFrom(_shape(value.shape))
-        v.trainable, v.name = (var.trainable if var is not None else False), name
+        v.trainable, v.name = (var.trainable, var.name) if var is not None else (False, graph.paths[i])
         variables[i] = (key, value.dtype, value.shape)
     return saved, variables
 
@@ -361,11 +360,7 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
         fdef.ret[out] = f"XlaCallModule:output:{outputs[key]}"
         sdef.outputs[key].CopyFrom(mpb.TensorInfo(name=f"{call}:{j}", dtype=_enum(a.dtype, key),
                                                   tensor_shape=_shape(a.shape)))
-    gdef.node.add(name=call, op="StatefulPartitionedCall",
-                  input=[*(t.name[:-2] for t in (sdef.inputs[a] for a in in_order)), *(handles[n] for n in bound)],
-                  attr={"f": _attr(func=gpb.NameAttrList(name=fname)),
-                        "Tin": _types(*(a.type for a in op.input_arg)),
-                        "Tout": _types(*(a.type for a in op.output_arg))})
+    _call(gdef, call, op, [*(t.name[:-2] for t in (sdef.inputs[a] for a in in_order)), *(handles[n] for n in bound)])
     # The object graph: a bare concrete function under "signatures", called with keyword arguments.
     cf = saved.concrete_functions[fname]
     cf.bound_inputs.extend(bound)
@@ -377,6 +372,13 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
     bare = _save._add_child(saved, sig_map, name).bare_concrete_function
     bare.concrete_function_name = fname
     bare.argument_keywords.extend(in_order)
+
+
+def _call(gdef: gpb.GraphDef, name: str, op: gpb.OpDef, inputs: list[str]) -> None:
+    """Adds node `name`: a StatefulPartitionedCall of the function whose signature is `op`, on `inputs`."""
+    gdef.node.add(name=name, op="StatefulPartitionedCall", input=inputs, attr={
+        "f": _attr(func=gpb.NameAttrList(name=op.name)), "Tin": _types(*(a.type for a in op.input_arg)),
+        "Tout": _types(*(a.type for a in op.output_arg))})
 
 
 def _lower(name: str) -> str:
@@ -448,9 +450,7 @@ def _saver(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, variables: dict[int, TFVa
         op.output_arg.add(name="identity", type=types_pb2.DT_STRING)
         fdef.ret["identity"] = "Identity:output:0"
         call = _unique("StatefulPartitionedCall", taken)
-        gdef.node.add(name=call, op="StatefulPartitionedCall", input=[filename, *(handles[n] for n in variables)],
-                      attr={"f": _attr(func=gpb.NameAttrList(name=fname)),
-                            "Tin": _types(*(a.type for a in op.input_arg)), "Tout": _types(types_pb2.DT_STRING)})
+        _call(gdef, call, op, [filename, *(handles[n] for n in variables)])
         calls.append(call)
     meta.saver_def.CopyFrom(mpb.SaverDef(filename_tensor_name=f"{filename}:0", save_tensor_name=f"{calls[0]}:0",
                                          restore_op_name=calls[1], version=mpb.SaverDef.V2))
