@@ -23,7 +23,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._crc import crc32c, mask
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, within
-from checkpoint._storage._host import aligned_empty, place, place_many, read_grouped, read_runs
+from checkpoint._storage._host import held_here, place, place_many, read_grouped, read_runs
 from checkpoint._storage._table import read_table, read_varint
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
@@ -223,7 +223,7 @@ class BundleReader:
         dtype = self.dtype(key)
         entry = self.entry(key)
         if not entry.slices:
-            return self._read(key, entry, self._locate(key, entry, shape, dtype), shape, dtype)
+            return self._read(entry, self._locate(key, entry, shape, dtype), shape, dtype)
         # Linear in the slices: a hostile index may hold tens of thousands for one tensor.
         head = _slice_key_head(key.encode("utf-8", "surrogateescape"), len(shape))
         parts, boxes = [], []
@@ -267,7 +267,7 @@ class BundleReader:
             # Strings, a lone slice, or slices scattered in the file: one read each.
             if dtype.kind == "O" or len(group) < 2 or span > 2 * sum(p[1].size for p in group) + (1 << 20):
                 for index, sentry, part_shape, located in group:
-                    out[index] = self._read(key, sentry, located, part_shape, dtype)
+                    out[index] = self._read(sentry, located, part_shape, dtype)
                 continue
             # Side by side in the file (as every writer puts them): one read for all, then each checked.
             fd, where = group[0][3]
@@ -311,15 +311,12 @@ class BundleReader:
             )
         return fd, where
 
-    def _read(self, key: str, entry, located: tuple[int, str], shape: tuple[int, ...], dtype: np.dtype):
+    def _read(self, entry, located: tuple[int, str], shape: tuple[int, ...], dtype: np.dtype):
         fd, where = located
         if dtype.kind == "O":
             return self._strings(where, pread(fd, entry.size, entry.offset, where), shape, entry.crc32c)
-        out = aligned_empty(shape, dtype)  # what device_put takes without a copy
-        flat = out.reshape(-1).view(np.uint8)
-        pread_into(fd, flat, entry.offset, where)
-        self._checked(flat, entry, where, dtype)
-        return out
+        flat = read_runs([(fd, entry.offset, entry.size, where)])[0]  # aligned: what device_put takes without a copy
+        return self._checked(flat, entry, where, dtype).view(dtype).reshape(shape)
 
     def _read_group(self, keys: list[str], plans: dict[str, tuple]) -> list[np.ndarray]:
         """Each key's value, checked; keys stored back to back are read with one pread (`read_runs`)."""
@@ -398,12 +395,8 @@ class BundleReader:
         return {k: out[k] if k in out else self.get(k) for k in requests}
 
     def _direct(self, key: str, sharding: Any) -> bool:
-        import jax  # only here: reading a TF checkpoint imports no jax until a value is placed
-
-        held = sharding.is_fully_addressable if isinstance(sharding, jax.sharding.Sharding) else \
-            isinstance(sharding, jax.Device) and sharding.process_index == jax.process_index()
         dtype = self.dtype(key)
-        return held and not self.entry(key).slices and dtype.kind != "O" and dtype.metadata is None
+        return held_here(sharding) and not self.entry(key).slices and dtype.kind != "O" and dtype.metadata is None
 
     @cached_property
     def object_graph(self):

@@ -45,8 +45,13 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw[start:start + n].view(dtype).reshape(shape)
 
 
-def _aligned(x: np.ndarray) -> bool:
-    return x.flags.c_contiguous and x.ctypes.data % ALIGN == 0
+def held_here(sharding: Any) -> bool:
+    """`sharding` (a Sharding or a Device) puts every shard on this process's devices."""
+    import jax  # only here: reading a TF checkpoint imports no jax until a value is placed
+
+    if isinstance(sharding, jax.Device):
+        return sharding.process_index == jax.process_index()
+    return isinstance(sharding, jax.sharding.Sharding) and sharding.is_fully_addressable
 
 
 def place(host: np.ndarray, sharding: Any) -> Any:

@@ -40,7 +40,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint._storage._crc import crc32c
 from checkpoint._storage._files import read_regular, within
-from checkpoint._storage._host import aligned_empty, place, release_freed_memory
+from checkpoint._storage._host import aligned_empty, held_here, place, release_freed_memory
 from checkpoint._storage._orbax_layout import (
     FORMAT,
     META_FILE,
@@ -236,7 +236,7 @@ class OrbaxReader(KeyedReader):
                     want[part["array"]] = (key, part, sharding if direct else None)
                 else:
                     want.setdefault(f"p{part['pack']}", (key, part, None))
-        streamed = {n: w for n, w in want.items() if w[2] is not None and _held_here(w[2])}
+        streamed = {n: w for n, w in want.items() if w[2] is not None and held_here(w[2])}
         loaded = self._load({n: w for n, w in want.items() if n not in streamed})
         out = {}
         for name, host in self._read(streamed):  # checked on the host, before any device holds it
@@ -407,13 +407,6 @@ class OrbaxReader(KeyedReader):
         for index, part in zip(self.get_slices(key), parts, strict=True):
             full[index] = part
         return full
-
-
-def _held_here(sharding: Any) -> bool:
-    """`sharding` (a Sharding or a Device) puts every shard on this process's devices."""
-    if isinstance(sharding, jax.Device):
-        return sharding.process_index == jax.process_index()
-    return isinstance(sharding, jax.sharding.Sharding) and sharding.is_fully_addressable
 
 
 def is_temporary(path: str) -> bool:
