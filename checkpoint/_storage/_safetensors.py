@@ -21,7 +21,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -275,15 +275,11 @@ class SafetensorsReader:
         if not out.size:
             return out
         shape, item = entry.shape, entry.dtype.itemsize
-        # The last dimension cut by the box: the rest of each row from it on is one contiguous run of bytes.
-        cut = max((a for a, (o, n) in enumerate(box) if (o, n) != (0, shape[a])), default=-1)
-        if cut < 0:
-            runs: Iterable[tuple[int, ...]] = [()]
-            run = out.size
-            cut = 0
-        else:
-            runs = itertools.product(*(range(o, o + n) for o, n in box[:cut]))
-            run = box[cut][1] * math.prod(shape[cut + 1:])
+        # The last dimension cut by the box (the first if none is): the rest of each row from it on is one
+        # contiguous run of bytes.
+        cut = max((a for a, (o, n) in enumerate(box) if (o, n) != (0, shape[a])), default=0)
+        runs = itertools.product(*(range(o, o + n) for o, n in box[:cut]))
+        run = math.prod(n for _, n in box[cut:])
         strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
         flat = out.reshape(-1).view(np.uint8)
         fd, _ = open_regular(entry.file, "a safetensors file")
@@ -342,11 +338,8 @@ class SafetensorsReader:
                                     f"{entries[k].file}: tensor {entries[k].name!r}") for k in group])
                 return [f.view(entries[k].dtype).reshape(entries[k].shape) for k, f in zip(group, flats, strict=True)]
 
-            def size(k: str) -> int:
-                return entries[k].nbytes
-
             ordered = sorted(keys, key=lambda k: (entries[k].file, entries[k].offset))
-            yield from read_grouped(ordered, size, read)
+            yield from read_grouped(ordered, lambda k: entries[k].nbytes, read)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -420,10 +413,6 @@ def _write_file(temp: str, names: list[str], tensors: dict[str, Any], specs: dic
     with open(temp, "wb") as f:
         f.write(len(text).to_bytes(8, "little") + text)
         for name in order:
-            _write_array(f.write, tensors[name], specs[name][0])
-
-
-def _write_array(write: Callable[[Any], Any], value: Any, dtype: np.dtype) -> None:
-    host = np.ascontiguousarray(np.asarray(value)).astype(dtype.newbyteorder("<"), copy=False)
-    if host.size:
-        write(host.reshape(-1).view(np.uint8).data)
+            host = np.ascontiguousarray(np.asarray(tensors[name])).astype(specs[name][0].newbyteorder("<"), copy=False)
+            if host.size:
+                f.write(host.reshape(-1).view(np.uint8).data)
