@@ -25,7 +25,7 @@ from checkpoint._storage._files import replacing
 from checkpoint._storage._table import read_table, varint, write_table
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
-__all__ = ["Sliced", "start_bundle", "tf_tensors", "write_bundle", "write_bundle_of_processes"]
+__all__ = ["Sliced", "assembled", "start_bundle", "tf_tensors", "write_bundle", "write_bundle_of_processes"]
 
 _OVERLAP_BYTES = 1 << 20  # a value this large has its checksum computed beside its write
 
@@ -256,13 +256,6 @@ class _DataWriter:
             self.file.close()
 
 
-def _write_data(temp_path: str, records: list, shard: int) -> list[tuple[bytes, bytes]]:
-    """Writes the values of `records` to `temp_path`; returns their stored index entries (in shard `shard`)."""
-    with _DataWriter(temp_path, shard) as writer:
-        writer.write(records)
-    return writer.items
-
-
 def _write_index(temp_path: str, num_shards: int, items: list[tuple[bytes, bytes]]) -> None:
     header = tensor_bundle_pb2.BundleHeaderProto(num_shards=num_shards, version={"producer": VERSION})
     index = write_table([(b"", header.SerializeToString()), *sorted(items)])
@@ -270,15 +263,20 @@ def _write_index(temp_path: str, num_shards: int, items: list[tuple[bytes, bytes
         f.write(index)
 
 
+def assembled(parts: list) -> np.ndarray:
+    """A partitioned value ([(SaveSliceInfo, part)]) as one host array, for formats without slices."""
+    full = np.zeros(parts[0][0].full_shape, np.dtype(parts[0][1].dtype))
+    for info, part in parts:
+        full[_keys.slice_index(info.var_offset, info.var_shape)] = part  # a jax.Array copies itself over
+    return full
+
+
 def tf_tensors(values: dict[str, Any], object_graph: bytes) -> dict[str, Any]:
     """{checkpoint key: value | [(slice info, part), ...]} as `write_bundle`'s tensors (slices assembled)."""
     tensors: dict[str, Any] = {}
     for key, v in values.items():
         if isinstance(v, list):
-            full = np.zeros(v[0][0].full_shape, np.dtype(v[0][1].dtype))
-            for info, part in v:
-                full[_keys.slice_index(info.var_offset, info.var_shape)] = part  # a jax.Array copies itself over
-            tensors[key] = full
+            tensors[key] = assembled(v)
         elif isinstance(v, str):
             tensors[key] = v.encode()
         elif isinstance(v, (bool, int, float)):
@@ -330,9 +328,10 @@ def write_bundle_of_processes(prefix: str, tensors: Mapping[str, Any], process: 
             part = np.asarray(part)
             skey = slice_key(name, list(zip(offset, part.shape, strict=True)))
             records[skey] = (skey, f"{key} (slice at {list(offset)})", part, None)
-    with replacing(data_filename(prefix, process, processes), tempstate=True) as (data,):
-        items = _write_data(data, sorted(records.values(), key=lambda r: r[0]), process)
-    blobs = allgather(write_table(items))  # after every process's data file is in place
+    with (replacing(data_filename(prefix, process, processes), tempstate=True) as (data,),
+          _DataWriter(data, process) as writer):
+        writer.write(sorted(records.values(), key=lambda r: r[0]))
+    blobs = allgather(write_table(writer.items))  # after every process's data file is in place
     if process != 0:
         return
     merged = dict(fulls)

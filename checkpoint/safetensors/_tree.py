@@ -21,6 +21,7 @@ import numpy as np
 
 from checkpoint import _keys
 from checkpoint._graph import _build, _match
+from checkpoint._storage._bundle_writer import assembled
 from checkpoint._storage._safetensors import (
     NAMES_ARE_PATHS,
     PATHS,
@@ -50,15 +51,6 @@ def _namer(name_map: NameMap, where: str) -> Callable[[str], str]:
 def _graph(tree: Any) -> _build.Graph:
     # The tree is the one root, named "": its children's paths start at the top ("model/w", not "/model/w").
     return _build.build({"": tree})
-
-
-def _full(value: list) -> np.ndarray:
-    """A partitioned value ([(SaveSliceInfo, shard)]) as one array: safetensors has no slices."""
-    info0 = value[0][0]
-    out = np.empty(info0.full_shape, np.asarray(value[0][1]).dtype)
-    for info, shard in value:
-        out[_keys.slice_index(info.var_offset, info.var_shape)] = np.asarray(shard)
-    return out
 
 
 def save(path: str | os.PathLike, tree: Any, *, max_shard_size: int | str | None = None,
@@ -127,7 +119,7 @@ def save(path: str | os.PathLike, tree: Any, *, max_shard_size: int | str | None
                     f"which {origin[name]!r} has too" if name in origin else "which safetensors cannot hold") +
                     "; map each path to its own non-empty name")
             origin[name] = node
-            tensors[name] = _full(value) if isinstance(value, list) else value
+            tensors[name] = assembled(value) if isinstance(value, list) else value
     metadata = {}
     if name_map is None:
         metadata[NAMES_ARE_PATHS] = PATHS
