@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
 import os
 import struct
@@ -22,6 +21,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._storage._bundle import VERSION, data_filename, slice_key
 from checkpoint._storage._crc import crc32c, mask
 from checkpoint._storage._files import replacing
+from checkpoint._storage._host import libc_function
 from checkpoint._storage._table import read_table, varint, write_table
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
@@ -187,16 +187,8 @@ def _start_writeback(fd: int, offset: int, size: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, size, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait for it
 
 
-def _sync_file_range() -> Any:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux' glibc
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
+                                 ctypes.c_int) if sys.platform.startswith("linux") else None
 
 
 class _DataWriter:

@@ -129,16 +129,17 @@ def read_runs(parts: list[tuple[int, int, int, str]]) -> list[np.ndarray]:
     return out
 
 
-def _libc_trim() -> Callable[[int], int] | None:
+def libc_function(name: str, argtypes: list, restype: Any) -> Any:
+    """The C library's function `name`, typed; None where the library or the function is not there (not glibc)."""
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to give back this way
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
-_TRIM = _libc_trim()
+_TRIM = libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # not glibc: nothing to give back this way
 
 
 def release_freed_memory() -> None:

@@ -135,10 +135,8 @@ def read_table(data: bytes, name: str) -> list[tuple[bytes, bytes]]:
 
 def _shared(a: bytes, b: bytes) -> int:
     """The length of the prefix `a` and `b` share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _separator(a: bytes, b: bytes) -> bytes:
