@@ -65,7 +65,8 @@ def config_ranks(config: Any) -> dict[tuple[str, ...], int]:
         for i, layer in enumerate(layers):
             if not isinstance(layer, Mapping):
                 continue
-            name = layer.get("name") or (layer.get("config") or {}).get("name")
+            body = layer.get("config")
+            name = layer.get("name") or (body.get("name") if isinstance(body, Mapping) else None)
             if isinstance(name, str):
                 ranks[(*path, name)] = i
                 if layer.get("class_name") in _MODELS:

@@ -155,6 +155,20 @@ def test_the_keras_config_gives_the_order(tmp_path):
     np.testing.assert_array_equal(np.asarray(state.slots["momentum"]["proj_a"]["bias"].value), np.ones(3))
 
 
+def test_config_entries_of_another_kind_are_passed_over(tmp_path):
+    # A crafted config: a layer whose "config" is a list or a string (not a dict) names no layer; it was an
+    # AttributeError. The layers the config does name still give the order.
+    config = {"class_name": "Functional", "config": {"name": "model", "layers": [
+        {"class_name": "Dense", "config": ["junk"]}, {"class_name": "Dense", "config": "junk"},
+        {"class_name": "EinsumDense", "name": "proj_b", "config": {"name": "proj_b"}},
+        {"class_name": "Dense", "config": {"name": "proj_a"}}]}}
+    path = _twin_file(tmp_path / "crafted.keras", config)
+    w, state = keras.load_optimizer_state(path, keras_opt.SGD(0.1, momentum=0.9))
+    assert list(w) == ["proj_b", "proj_a"]
+    np.testing.assert_array_equal(np.asarray(state.slots["momentum"]["proj_b"]["kernel"].value),
+                                  _KERNELS["proj_b"].reshape(3, 3) * 10)
+
+
 def test_shapes_that_fit_no_order_are_refused(tmp_path):
     path = str(tmp_path / "frozen.weights.h5")
     with h5py.File(path, "w") as f:
