@@ -30,7 +30,6 @@ from checkpoint._cli import _out as out
 from checkpoint._errors import DataLossError
 from checkpoint._storage._safetensors import SafetensorsReader
 
-_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _KERAS_SUFFIXES = (".h5", ".hdf5", ".keras")
 _SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
 _KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"  # the weights inside a .keras archive
@@ -88,7 +87,9 @@ def _opened(path: str) -> Iterator[tuple[str, bool, Iterator[tuple[str, int]]]]:
     if path.endswith(_SAFETENSORS_SUFFIXES):
         yield _safetensors(path)
         return
-    if os.path.isfile(path) and (path.endswith(_KERAS_SUFFIXES) or _is_hdf5(path)):
+    from checkpoint.keras._hdf5 import is_hdf5
+
+    if os.path.isfile(path) and (path.endswith(_KERAS_SUFFIXES) or is_hdf5(path)):
         with contextlib.ExitStack() as stack:
             fmt, values = _keras(path, stack)
             yield fmt, False, values
@@ -135,19 +136,9 @@ def _safetensors(path: str) -> tuple[str, bool, Iterator[tuple[str, int]]]:
     return reader.format_name, False, _values(reader)
 
 
-def _is_hdf5(path: str) -> bool:
-    # The signature sits at offset 0, or 512, 1024, ... when a user block precedes it.
-    with open(path, "rb") as f:
-        for offset in (0, 512, 1024, 2048):
-            f.seek(offset)
-            if f.read(8) == _HDF5_MAGIC:
-                return True
-    return False
-
-
 def _keras(path: str, stack: contextlib.ExitStack) -> tuple[str, Iterator[tuple[str, int]]]:
     """A Keras HDF5 file (or the one inside a .keras archive): its datasets, each read on its own."""
-    from checkpoint.keras._hdf5 import h5py_module, open_bytes, open_file
+    from checkpoint.keras._hdf5 import h5py_module, is_hdf5, open_bytes, open_file
 
     h5py = h5py_module()
     if zipfile.is_zipfile(path):
@@ -160,7 +151,7 @@ def _keras(path: str, stack: contextlib.ExitStack) -> tuple[str, Iterator[tuple[
         except (zipfile.BadZipFile, OSError, EOFError) as e:
             raise _DamageError(None, f"the archive: {e}", _KERAS_ARCHIVE) from None
         opened, fmt = open_bytes(data, f"{path}: {_KERAS_ARCHIVE_WEIGHTS}"), _KERAS_ARCHIVE
-    elif _is_hdf5(path):
+    elif is_hdf5(path):
         opened, fmt = open_file(path), _KERAS_HDF5
     else:
         raise out.UsageError(f"{path}: not an HDF5 file (no HDF5 signature), so not Keras weights")

@@ -43,6 +43,20 @@ _BUDGET_FLOOR = 1 << 20
 _SOURCES: dict[int, list[_Strings]] = {}
 
 
+_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+def is_hdf5(path: str) -> bool:
+    """Whether the file at `path` carries HDF5's signature (read without h5py)."""
+    # The signature sits at offset 0, or 512, 1024, ... when a user block precedes it.
+    with open(path, "rb") as f:
+        for offset in (0, 512, 1024, 2048):
+            f.seek(offset)
+            if f.read(8) == _MAGIC:
+                return True
+    return False
+
+
 def h5py_module():
     # h5py is imported here, not at module import: reading TF checkpoints needs none of it.
     try:

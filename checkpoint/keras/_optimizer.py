@@ -124,7 +124,8 @@ def _trainable(params: Any) -> tuple[list, Any, list[int]]:
     at = {tuple(str(getattr(k, "key", k)) for k in path): i for i, (path, _) in enumerate(with_paths)}
     layout = getattr(params, "layout", ())
     keras = [at[full] for lay in layout for full in ((*lay.path, n) for n in lay.weights) if full in at]
-    order = keras + [i for i in range(len(leaves)) if i not in set(keras)]
+    placed = set(keras)  # once, not per leaf: a model of n weights would be n^2 set builds
+    order = keras + [i for i in range(len(leaves)) if i not in placed]
     idx = [i for i in order if not (isinstance(leaves[i], varstate.Variable) and not leaves[i].trainable)]
     return leaves, treedef, idx
 
@@ -263,7 +264,7 @@ def load_optimizer_state(
     """
     check_optimizer(optimizer)
     where = os.fspath(path)
-    if isinstance(where, str) and os.path.isfile(where) and (zipfile.is_zipfile(where) or _read._is_hdf5(where)):
+    if isinstance(where, str) and os.path.isfile(where) and (zipfile.is_zipfile(where) or _hdf5.is_hdf5(where)):
         return _load_h5(where, optimizer, _read.load_weights(where) if params is None else params)
     reader = _storage.open_reader(where)
     if reader.object_graph is None:
@@ -351,7 +352,7 @@ def _load_h5(where: str, optimizer: KerasOptimizer, params: Any):
     order = keras_order(optimizer, [leaves[i] for i in idx])
     group_path = f"{_read._OPTIMIZER}/{_read._VARS}"
     with _read._damaged(where), (
-            _read._open_archive(where) if not _read._is_hdf5(where) else _hdf5.open_file(where)) as f:
+            _read._open_archive(where) if not _hdf5.is_hdf5(where) else _hdf5.open_file(where)) as f:
         group = f.get(group_path)
         if group is None:
             raise ValueError(f"{where}: no optimizer state (no '{group_path}' group): Keras saves it only "

@@ -48,7 +48,7 @@ def archive_config(path: str) -> Any:
         raw = z.read(_CONFIG)
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except ValueError:  # UnicodeDecodeError is one
         return None
 
 

@@ -23,7 +23,6 @@ from checkpoint import _dtypes, _keys, _storage
 from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint.keras import _hdf5, _order
 
-_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"  # the weights file inside a .keras zip archive
 _VARS = "vars"  # Keras 3: the group holding one object's own weights, named "0", "1", ...
 _OPTIMIZER = "optimizer"
@@ -140,16 +139,6 @@ def _unflatten(aux, children) -> KerasWeights:
 
 
 jax.tree_util.register_pytree_with_keys(KerasWeights, _flatten_with_keys, _unflatten)
-
-
-def _is_hdf5(path: str) -> bool:
-    # The HDF5 signature sits at offset 0, or 512, 1024, ... when a user block precedes it.
-    with open(path, "rb") as f:
-        for offset in (0, 512, 1024, 2048):
-            f.seek(offset)
-            if f.read(8) == _HDF5_MAGIC:
-                return True
-    return False
 
 
 @contextlib.contextmanager
@@ -304,7 +293,7 @@ def load_weights(
     if os.path.isfile(path) and zipfile.is_zipfile(path):
         with _damaged(path), _open_archive(path) as f:
             return _Keras3Reader(f, path, names, registry, _order.archive_config(path)).read()
-    if os.path.isfile(path) and _is_hdf5(path):
+    if os.path.isfile(path) and _hdf5.is_hdf5(path):
         with _damaged(path), _hdf5.open_file(path) as f:
             if (root := _legacy_root(f)) is not None:
                 return _read_legacy(root, path, registry)
