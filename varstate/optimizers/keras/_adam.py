@@ -16,7 +16,32 @@ from varstate.optimizers.keras._base import KerasOptimizer, const, local_step
 
 
 @dataclasses.dataclass(frozen=True)
-class Adam(KerasOptimizer):
+class _Moments:
+    """Adam's family, a mixin listed before `KerasOptimizer`: the floats ``beta_1``, ``beta_2`` and ``epsilon``."""
+
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+
+    _floats: ClassVar[tuple[str, ...]] = ("beta_1", "beta_2", "epsilon")
+
+    def _slot_groups(self):
+        return (("momentum", "velocity"),)
+
+    def _moments(self, var, slots, non_slots, summed):
+        """Keras's ``beta_1**t`` and ``beta_2**t``, and Adam's new ``momentum`` and ``velocity`` (Lamb's too)."""
+        dtype = var.dtype
+        grad, grad_sq = summed(lambda g: g), summed(jnp.square)
+        t = local_step(non_slots, dtype)
+        b1p = jnp.power(as_dtype(self.beta_1, dtype), t)
+        b2p = jnp.power(as_dtype(self.beta_2, dtype), t)
+        m = slots["momentum"] + (grad - slots["momentum"]) * const(1 - self.beta_1, dtype)
+        v = slots["velocity"] + (grad_sq - slots["velocity"]) * const(1 - self.beta_2, dtype)
+        return b1p, b2p, m, v
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam(_Moments, KerasOptimizer):
     """``keras.optimizers.Adam``: slots ``momentum``, ``velocity`` (and ``velocity_hat`` with ``amsgrad``).
 
     With ``t = iteration + 1``: ``alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)``,
@@ -51,29 +76,18 @@ class Adam(KerasOptimizer):
     ([-0.1, 0.1], ['momentum', 'velocity'])
     """
 
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    epsilon: float = 1e-7
     amsgrad: bool = False
-
-    _floats: ClassVar[tuple[str, ...]] = ("beta_1", "beta_2", "epsilon")
 
     def _slot_groups(self):
         return (("momentum", "velocity"), ("velocity_hat",)) if self.amsgrad else (("momentum", "velocity"),)
 
     def _step(self, lr, var, slots, non_slots, summed):
-        dtype = var.dtype
-        grad, grad_sq = summed(lambda g: g), summed(jnp.square)
-        t = local_step(non_slots, dtype)
-        b1p = jnp.power(as_dtype(self.beta_1, dtype), t)
-        b2p = jnp.power(as_dtype(self.beta_2, dtype), t)
+        b1p, b2p, m, v = self._moments(var, slots, non_slots, summed)
         alpha = lr * jnp.sqrt(1 - b2p) / (1 - b1p)
-        m = slots["momentum"] + (grad - slots["momentum"]) * const(1 - self.beta_1, dtype)
-        v = slots["velocity"] + (grad_sq - slots["velocity"]) * const(1 - self.beta_2, dtype)
         out = {"momentum": m, "velocity": v}
         if self.amsgrad:
             v = out["velocity_hat"] = jnp.maximum(slots["velocity_hat"], v)
-        return var - (m * alpha) / (jnp.sqrt(v) + const(self.epsilon, dtype)), out
+        return var - (m * alpha) / (jnp.sqrt(v) + const(self.epsilon, var.dtype)), out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +126,7 @@ class AdamW(Adam):
 
 
 @dataclasses.dataclass(frozen=True)
-class Adamax(KerasOptimizer):
+class Adamax(_Moments, KerasOptimizer):
     """``keras.optimizers.Adamax``: slots ``momentum``, ``norm``.
 
     ``m += (g - m) * (1 - beta_1)``, ``u = max(beta_2 * u, |g|)``,
@@ -142,12 +156,6 @@ class Adamax(KerasOptimizer):
     -0.1
     """
 
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    epsilon: float = 1e-7
-
-    _floats: ClassVar[tuple[str, ...]] = ("beta_1", "beta_2", "epsilon")
-
     def _slot_groups(self):
         return (("momentum", "norm"),)
 
@@ -162,7 +170,7 @@ class Adamax(KerasOptimizer):
 
 
 @dataclasses.dataclass(frozen=True)
-class Nadam(KerasOptimizer):
+class Nadam(_Moments, KerasOptimizer):
     """``keras.optimizers.Nadam``: slots ``momentum``, ``velocity``; non-slot ``u_product`` (the momentum schedule).
 
     With ``u_t = beta_1 * (1 - 0.5 * 0.96**t)``, each step first multiplies
@@ -193,15 +201,6 @@ class Nadam(KerasOptimizer):
     >>> round(p[0].item(), 4), round(state.non_slot("u_product").value.item(), 4)
     (-0.1063, 0.468)
     """
-
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    epsilon: float = 1e-7
-
-    _floats: ClassVar[tuple[str, ...]] = ("beta_1", "beta_2", "epsilon")
-
-    def _slot_groups(self):
-        return (("momentum", "velocity"),)
 
     def _extra_non_slots(self):
         return {"u_product": 1.0}

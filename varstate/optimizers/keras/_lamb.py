@@ -7,9 +7,10 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from varstate.optimizers._core._rows import as_dtype, divide
+from varstate.optimizers._core._rows import divide
 from varstate.optimizers._core._state import OptimizerState
-from varstate.optimizers.keras._base import KerasOptimizer, const, local_step
+from varstate.optimizers.keras._adam import _Moments
+from varstate.optimizers.keras._base import KerasOptimizer, const
 
 
 class _PerVariable(KerasOptimizer):
@@ -32,7 +33,7 @@ class _PerVariable(KerasOptimizer):
 
 
 @dataclasses.dataclass(frozen=True)
-class Lamb(_PerVariable):
+class Lamb(_Moments, _PerVariable):
     """``keras.optimizers.Lamb``: slots ``momentum``, ``velocity``; a layer-wise trust ratio on Adam's step.
 
     With ``t = iteration + 1``: ``m += (g - m) * (1 - beta_1)``,
@@ -75,25 +76,10 @@ class Lamb(_PerVariable):
     ([2.6464, 4.3536], ['momentum', 'velocity'])
     """
 
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    epsilon: float = 1e-7
-
-    _floats: ClassVar[tuple[str, ...]] = ("beta_1", "beta_2", "epsilon")
-
-    def _slot_groups(self):
-        return (("momentum", "velocity"),)
-
     def _step(self, lr, var, slots, non_slots, summed):
-        dtype = var.dtype
-        grad, grad_sq = summed(lambda g: g), summed(jnp.square)
-        t = local_step(non_slots, dtype)
-        b1p = jnp.power(as_dtype(self.beta_1, dtype), t)
-        b2p = jnp.power(as_dtype(self.beta_2, dtype), t)
-        m = slots["momentum"] + (grad - slots["momentum"]) * const(1 - self.beta_1, dtype)
-        v = slots["velocity"] + (grad_sq - slots["velocity"]) * const(1 - self.beta_2, dtype)
-        one = jnp.ones((), dtype)
-        update = divide(m, one - b1p) / (jnp.sqrt(divide(v, one - b2p)) + const(self.epsilon, dtype))
+        b1p, b2p, m, v = self._moments(var, slots, non_slots, summed)
+        one = jnp.ones((), var.dtype)
+        update = divide(m, one - b1p) / (jnp.sqrt(divide(v, one - b2p)) + const(self.epsilon, var.dtype))
         w_norm = jnp.sqrt(jnp.sum(jnp.square(var)))
         g_norm = jnp.sqrt(jnp.sum(jnp.square(update)))
         # Keras's nested where: the division is computed either way, its inf/NaN never chosen.
