@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import jax.numpy as jnp
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, update_rows
+from varstate.optimizers._core._rows import as_dtype
+from varstate.optimizers._proximal_math import _RowWise
 
 
 @dataclasses.dataclass(frozen=True)
-class Adagrad(Optimizer):
+class Adagrad(_RowWise, Optimizer):
     """`tf.compat.v1.train.AdagradOptimizer`; slot ``accumulator`` starting at ``initial_accumulator_value``.
 
     ``accum += grad**2``; ``var -= grad * lr * (1 / sqrt(accum))``.
@@ -60,7 +60,3 @@ class Adagrad(Optimizer):
         # TF's kernel says rsqrt, which TF evaluates as the correctly rounded 1 / sqrt. Op by op, so do we;
         # under jit XLA rewrites 1 / sqrt as rsqrt, within 1 ulp (the jit contract in the README).
         return var - grad * lr * (1 / jnp.sqrt(accum)), {"accumulator": accum}
-
-    def _sparse(self, h, values, indices, var, slots, non_slots):
-        wide = math.prod(var.shape[1:]) == 1
-        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots, wide), values, indices, var, slots)

@@ -8,12 +8,12 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, update_rows
-from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _one_element_rows
+from varstate.optimizers._core._rows import as_dtype
+from varstate.optimizers._proximal_math import _check, _float_options, _fobos, _RowWise
 
 
 @dataclasses.dataclass(frozen=True)
-class ProximalAdagrad(Optimizer):
+class ProximalAdagrad(_RowWise, Optimizer):
     """`tf.compat.v1.train.ProximalAdagradOptimizer`; slot ``accumulator`` starting at ``initial_accumulator_value``.
 
     ``accum += grad**2``; ``lr_t = lr / sqrt(accum)``; ``prox = var - grad * lr_t``;
@@ -78,7 +78,3 @@ class ProximalAdagrad(Optimizer):
             lr_t = lr * (1 / jnp.sqrt(accum))
         new = _fobos(var - grad * lr_t, lr_t * l1, l2 * lr_t, self.l1_regularization_strength, wide)
         return new, {"accumulator": accum}
-
-    def _sparse(self, h, values, indices, var, slots, non_slots):
-        wide = _one_element_rows(var)
-        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots, wide), values, indices, var, slots)

@@ -6,12 +6,12 @@ import dataclasses
 from typing import ClassVar
 
 from varstate.optimizers._core._base import Hyper, Optimizer
-from varstate.optimizers._core._rows import as_dtype, update_rows
-from varstate.optimizers._proximal_math import _float_options, _fobos, _one_element_rows
+from varstate.optimizers._core._rows import as_dtype
+from varstate.optimizers._proximal_math import _float_options, _fobos, _RowWise
 
 
 @dataclasses.dataclass(frozen=True)
-class ProximalGradientDescent(Optimizer):
+class ProximalGradientDescent(_RowWise, Optimizer):
     """`tf.compat.v1.train.ProximalGradientDescentOptimizer` (FOBOS); no slots.
 
     ``prox = var - grad * lr``; with ``l1 > 0``
@@ -56,8 +56,4 @@ class ProximalGradientDescent(Optimizer):
         lr = as_dtype(h["learning_rate"], dtype)
         l1, l2 = as_dtype(self.l1_regularization_strength, dtype), as_dtype(self.l2_regularization_strength, dtype)
         return _fobos(var - grad * lr, lr * l1, l2 * lr, self.l1_regularization_strength, wide), slots
-
-    def _sparse(self, h, values, indices, var, slots, non_slots):
-        wide = _one_element_rows(var)
-        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots, wide), values, indices, var, slots)
 

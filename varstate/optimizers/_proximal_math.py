@@ -1,8 +1,9 @@
 """What the TF v1 proximal family (ProximalGradientDescent, ProximalAdagrad, AdagradDA, Ftrl) shares, one copy.
 
 The float-option check, the FOBOS shrinkage, a division XLA may not rewrite,
-and float32 arithmetic that stands in for the double precision some of TF's
-sparse kernels compute in.
+float32 arithmetic that stands in for the double precision some of TF's
+sparse kernels compute in, and the sparse step as the dense one on the
+touched rows (`_RowWise`, Adagrad's too).
 
 TF's sparse kernels take a scalar path when a row has one element; there
 some divisions (and all of AdagradDA's arithmetic) run in double before the
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from varstate.optimizers._core._rows import as_dtype, divide
+from varstate.optimizers._core._rows import as_dtype, divide, update_rows
 from varstate.optimizers._core._traced import varies
 
 Array = Any
@@ -61,6 +62,17 @@ def _check(opt: Any, name: str, ok: bool, rule: str) -> None:
 def _one_element_rows(var: Array) -> bool:
     """Whether TF's sparse kernel takes its scalar path: each row of `var` holds one element."""
     return math.prod(var.shape[1:]) == 1
+
+
+class _RowWise:
+    """A mixin before `Optimizer`: the sparse step is the dense one, ``_dense(..., wide)``, on the touched rows alone.
+
+    ``wide``: the rows hold one element each, where TF's sparse kernel runs its scalar loop (`_one_element_rows`).
+    """
+
+    def _sparse(self, h, values, indices, var, slots, non_slots):
+        wide = _one_element_rows(var)
+        return update_rows(lambda g, v, s: self._dense(h, g, v, s, non_slots, wide), values, indices, var, slots)
 
 
 # --- float32 pairs standing in for double -----------------------------------------------------------
