@@ -531,24 +531,28 @@ def _state_on_params(params: Any, state: OptimizerState, global_step: Any) -> tu
 
     targets = [common if common is _UNCOMMITTED or type(v := array_of(p)) is not ArrayImpl else v.sharding
                for p in p_leaves]
-    slots = {}
-    for name, tree in state._stored.items():
-        if isinstance(tree, PackedTree):
-            if tree.layout.p_def == p_def:
-                tree = PackedTree.build(p_def, [x if isinstance(x, PackedSlot) or x is None else move(x, t)
-                                                for x, t in zip(tree.leaves(), targets, strict=True)], tree.layout)
-        else:
-            try:
-                tree = p_def.unflatten([None if x is None else move(x, t)
-                                        for x, t in zip(p_def.flatten_up_to(tree), targets, strict=True)])
-            except (ValueError, TypeError):
-                pass  # not laid out like params (another optimizer's): left as it is
-        slots[name] = tree
+    # `move` leaves a None and a packed slot (no array) as they are.
+    slots = _per_param(state._stored, p_def, lambda leaves: [move(x, t) for x, t in zip(leaves, targets, strict=True)])
     non_slots = {k: move(v, common) for k, v in state.non_slots.items()}
     packed = {k: tuple(move(b, common) for b in bs) for k, bs in state.packed.items()}
     traced = {k: tuple(move(x, common) for x in pair) for k, pair in state._traced.items()}
     global_step = None if global_step is None else move(global_step, common)
     return (OptimizerState(slots, non_slots, packed, traced), global_step) if moved else None
+
+
+def _per_param(stored: dict[str, Any], p_def: Any, f: Callable[[list], list]) -> dict[str, Any]:
+    """The slot trees with `f` applied to the leaves (one per param) of each that is laid out as the params."""
+    out = dict(stored)
+    for name, tree in stored.items():
+        if isinstance(tree, PackedTree):  # its unpacked slots (large, sharded params) as any
+            if tree.layout.p_def == p_def:
+                out[name] = PackedTree.build(p_def, f(tree.leaves()), tree.layout)
+            continue
+        try:
+            out[name] = p_def.unflatten(f(p_def.flatten_up_to(tree)))
+        except (ValueError, TypeError):
+            pass  # not laid out like params (another optimizer's): left as it is
+    return out
 
 
 def _place(plan: _Plan, leaves: list, state: OptimizerState) -> bool:
@@ -600,18 +604,10 @@ def _pinned(params: Any, state: OptimizerState, new_params: Any, new_state: Opti
     def pinned(leaves: list) -> list:
         return [_pin(x, *t) for x, t in zip(leaves, targets, strict=True)]
 
-    slots = dict(new_state._stored)
+    slots = new_state._stored
     if any(t for t, _ in targets):
         new_params = p_def.unflatten(pinned(p_def.flatten_up_to(new_params)))
-        for name, tree in slots.items():
-            if isinstance(tree, PackedTree):  # its unpacked slots (large, sharded params) are pinned as any
-                if tree.layout.p_def == p_def:
-                    slots[name] = PackedTree.build(p_def, pinned(tree.leaves()), tree.layout)
-                continue
-            try:
-                slots[name] = p_def.unflatten(pinned(p_def.flatten_up_to(tree)))
-            except (ValueError, TypeError):
-                pass  # not laid out like params (another optimizer's): left as it is
+        slots = _per_param(slots, p_def, pinned)
     given = state.non_slots
     ns_targets = {name: (_target(v._value, c), tuple(v.shape))
                   for (name, v), c in zip(given.items(), _concrete(placement, 1, len(given)), strict=True)}
