@@ -34,12 +34,10 @@ from varstate._variable import Variable
 from varstate.optimizers._core._base import Hyper, Optimizer
 from varstate.optimizers._core._matching import is_var
 from varstate.optimizers._core._messages import check_arguments
-from varstate.optimizers._core._rows import as_dtype
+from varstate.optimizers._core._rows import Array, as_dtype
 from varstate.optimizers._core._slots import check_non_slots, filled_slot, non_slot_home
 from varstate.optimizers._core._state import OptimizerState
 from varstate.optimizers._core._traced import Live, Traced, varies
-
-Array = Any
 
 
 def const(x: float, dtype: Any) -> Array:
@@ -199,6 +197,11 @@ class KerasOptimizer(Optimizer):
         Returns:
             The `OptimizerState`.
 
+        Raises:
+            ValueError: ``fused=True`` (or a fused `state`) for an optimizer
+                whose step reduces over each whole variable (`Lamb`, `Muon`,
+                `Adafactor`), or as `Optimizer.init`.
+
         >>> import jax.numpy as jnp, varstate
         >>> from varstate.optimizers import keras
         >>> w = varstate.Variable(jnp.zeros(2), name="w")
@@ -206,6 +209,11 @@ class KerasOptimizer(Optimizer):
         >>> sorted(state.non_slots), state.non_slot("iteration").value.item(), state.get_slot(w, "momentum").name
         (['iteration', 'learning_rate'], 0, 'w/momentum')
         """
+        if not self._elementwise and (fused or (fused is None and state is not None and state.fused)):
+            name = type(self).__name__
+            raise ValueError(f"{name}.init: fused=True (or a fused state) packs many params into one buffer, but "
+                             f"{name}'s step reduces over each whole variable (Keras's per-variable norms and "
+                             "matrix shapes); pass fused=False, or a state made without fused=True")
         state = super().init(params, state, stepped=stepped, fused=fused, reinitialize_slots=reinitialize_slots)
         if "iteration" in state.non_slots:
             return state

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax.numpy as jnp
 
 from varstate.optimizers._core._rows import divide
-from varstate.optimizers._core._state import OptimizerState
 from varstate.optimizers.keras._adam import _Moments
 from varstate.optimizers.keras._base import KerasOptimizer, const
 
@@ -17,19 +16,10 @@ class _PerVariable(KerasOptimizer):
     """A Keras optimizer whose step reduces over each whole variable (a norm, a matrix product): never fused.
 
     A fused state hands the step many params packed into one flat buffer, so
-    a norm would run over all of them; `init` refuses it, and packed params (`varstate.pack`).
+    a norm would run over all of them; `KerasOptimizer.init` refuses it, and packed params (`varstate.pack`).
     """
 
     _elementwise: ClassVar[bool] = False
-
-    def init(self, params: Any, state: OptimizerState | None = None, *, stepped: Any = None,
-             fused: bool | None = None, reinitialize_slots: bool = False) -> OptimizerState:
-        if fused or (fused is None and state is not None and state.fused):
-            name = type(self).__name__
-            raise ValueError(f"{name}.init: fused=True (or a fused state) packs many params into one buffer, but "
-                             f"{name}'s step reduces over each whole variable (Keras's per-variable norms and "
-                             "matrix shapes); pass fused=False, or a state made without fused=True")
-        return super().init(params, state, stepped=stepped, fused=fused, reinitialize_slots=reinitialize_slots)
 
 
 @dataclasses.dataclass(frozen=True)
