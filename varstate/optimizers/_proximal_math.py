@@ -26,10 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from varstate.optimizers._core._rows import as_dtype, divide, update_rows
+from varstate.optimizers._core._rows import Array, as_dtype, divide, update_rows
 from varstate.optimizers._core._traced import varies
-
-Array = Any
 
 
 def _float_options(opt: Any, *names: str) -> None:
