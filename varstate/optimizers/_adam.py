@@ -62,10 +62,9 @@ class Adam(Optimizer):
         return {"m": 0.0, "v": 0.0}
 
     def _non_slot_inits(self):
-        beta1, beta2 = self.beta1, self.beta2
-        if callable(beta1) or callable(beta2):
+        if callable(self.beta1) or callable(self.beta2):
             raise TypeError("Adam: beta1 and beta2 must be floats: they are the initial beta1_power/beta2_power.")
-        return {"beta1_power": beta1, "beta2_power": beta2}
+        return {"beta1_power": self.beta1, "beta2_power": self.beta2}
 
     def _scalars(self, h, non_slots, dtype):
         lr, b1, b2, eps = (as_dtype(h[k], dtype) for k in ("learning_rate", "beta1", "beta2", "epsilon"))

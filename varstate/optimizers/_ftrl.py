@@ -118,9 +118,7 @@ class Ftrl(Optimizer):
         s = self.l2_shrinkage_regularization_strength
         if varies(s):  # traced: TF's choice of kernel, made per value
             return jnp.where(shrinkage > 0, grad + (2 * shrinkage) * var, grad)
-        if s > 0:
-            return grad + (2 * shrinkage) * var
-        return grad
+        return grad + (2 * shrinkage) * var if s > 0 else grad
 
     def _dense(self, h, grad, var, slots, non_slots):
         lr, l1, l2, shrinkage = self._scalars(h, var.dtype)

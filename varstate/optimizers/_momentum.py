@@ -50,18 +50,12 @@ class Momentum(Optimizer):
     def _dense(self, h, grad, var, slots, non_slots):
         lr, mom = as_dtype(h["learning_rate"], var.dtype), as_dtype(h["momentum"], var.dtype)
         accum = slots["momentum"] * mom + grad
-        if self.use_nesterov:
-            var = var - (grad * lr + accum * mom * lr)
-        else:
-            var = var - accum * lr
+        var = var - (grad * lr + accum * mom * lr) if self.use_nesterov else var - accum * lr
         return var, {"momentum": accum}
 
     def _sparse(self, h, values, indices, var, slots, non_slots):
         lr, mom = as_dtype(h["learning_rate"], var.dtype), as_dtype(h["momentum"], var.dtype)
         accum = gather_rows(slots["momentum"], indices) * mom + values
-        if self.use_nesterov:
-            step = lr * values + lr * mom * accum
-        else:
-            step = accum * lr
+        step = lr * values + lr * mom * accum if self.use_nesterov else accum * lr
         rows = gather_rows(var, indices) - step
         return set_rows(var, indices, rows), {"momentum": set_rows(slots["momentum"], indices, accum)}
