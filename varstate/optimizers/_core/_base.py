@@ -267,7 +267,7 @@ class Optimizer:
         check_arguments(self, "init", params, state=state)
         if isinstance(params, Packed):
             return self._init_packed(params, state, stepped, reinitialize_slots)
-        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var_or_packed_params)
+        flat, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: is_var(x) or isinstance(x, Packed))
         if any(isinstance(x, Packed) for _, x in flat):
             raise TypeError(
                 f"{type(self).__name__}.init: params hold a Packed (varstate.pack) inside other containers; a Packed "
@@ -631,10 +631,6 @@ class Optimizer:
 
 # optax's two-argument habit, update(grads, state), gets a message naming the class and the fix.
 Optimizer.update = guarded_update(Optimizer.update)  # type: ignore[method-assign]
-
-
-def _is_var_or_packed_params(x: Any) -> bool:
-    return is_var(x) or isinstance(x, Packed)
 
 
 def _path_name(path: tuple) -> str:

@@ -217,7 +217,8 @@ def _intern(key: _Static) -> _Static:
 
 def _new_plan(opt: Any, grads: Any, params: Any, state: Any, global_step: Any, other: Any, use_global: bool) -> _Plan:
     refuse_params_became_arrays(params, state)
-    top, sig_def = _flatten((grads, params, state, global_step, other), is_leaf=_is_var_or_packed)
+    top, sig_def = _flatten((grads, params, state, global_step, other),
+                           is_leaf=lambda x: isinstance(x, (Variable, PackedTree)))
     leaves = []
     for x in top:  # a packed slot tree: its layout, then its unpacked slots as leaves of their own
         leaves.append(x)
@@ -241,10 +242,6 @@ def _new_plan(opt: Any, grads: Any, params: Any, state: Any, global_step: Any, o
     sparse = any(isinstance(g, IndexedSlices) for g in jax.tree.leaves(grads, is_leaf=_is_leaf))
     sliced = any(d.platform == "cpu" for bs in state.packed.values() for b in bs for d in b.devices())
     return _Plan(_intern(_Static(opt, sig, None, use_global)), len(jax.tree.leaves(params)), sparse, sliced)
-
-
-def _is_var_or_packed(x: Any) -> bool:
-    return isinstance(x, (Variable, PackedTree))
 
 
 def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step: Any, global_step: Any = None,
