@@ -313,6 +313,5 @@ class LossScaleOptimizer(Optimizer):
         grown = scale * 2.0
         scale = jnp.where(finite, jnp.where(grow & jnp.isfinite(grown), grown, scale), jnp.maximum(scale / 2.0, 1.0))
         good = jnp.where(finite & ~grow, good + 1, 0).astype(good_var.dtype)
-        out = dict(new_inner.non_slots)
-        out[_SCALE], out[_GOOD] = scale_var._with_value(scale), good_var._with_value(good)
+        out = {**new_inner.non_slots, _SCALE: scale_var._with_value(scale), _GOOD: good_var._with_value(good)}
         return new_params, new_inner.replace(non_slots=out)
