@@ -228,8 +228,8 @@ class Existing:
             except (ValueError, TypeError):
                 pass  # another structure: Variables are still found by identity
 
-    def get(self, name: str, i: int, p: Any, want: tuple | None = None) -> Any:
-        """The existing slot `name` of the param `p` at leaf `i`, checked to fit `want` (default: p's), or None."""
+    def get(self, name: str, i: int, p: Any, want: tuple) -> Any:
+        """The existing slot `name` of the param `p` at leaf `i`, checked to fit `want` (shape, dtype), or None."""
         if isinstance(p, Variable):
             s = self.by_rid.get((name, p.resource_id))
         else:
@@ -239,7 +239,7 @@ class Existing:
                 raise became_array("Optimizer.init", name, s, path_label(self.paths[i], p), p)
         if s is None:
             return None
-        why = fit_error(name, s, path_label(self.paths[i], p), param_want(p) if want is None else want)
+        why = fit_error(name, s, path_label(self.paths[i], p), want)
         if why is not None:
             raise ValueError(why[0].upper() + why[1:])
         return s
