@@ -33,13 +33,9 @@ from varstate._variable import Variable
 _context = jax.make_user_context(None)
 
 
-def _cast_dtype() -> np.dtype | None:
-    return _context.value
-
-
 def _cast(value: Any) -> Any:
     """`value` (an array, or an uninitialized variable's ShapeDtypeStruct) as read in the autocast dtype."""
-    dtype = _cast_dtype()
+    dtype = _context.value
     if dtype is None or dtype == value.dtype:
         return value
     if isinstance(value, jax.ShapeDtypeStruct):  # uninitialized: the type a read will have
@@ -143,7 +139,7 @@ class AutoCastVariable(_ArrayOps):
     @property
     def dtype(self) -> np.dtype:
         """The dtype reads return, which is the autocast dtype inside `autocast` and `true_dtype` elsewhere."""
-        return _cast_dtype() or self._variable.dtype
+        return _context.value or self._variable.dtype
 
     @property
     def value(self) -> Any:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from varstate import _jax_compat, _variable
-from varstate._variable import Variable, _from_parts
+from varstate._variable import Variable, version
 
 # ---------------------------------------------------------------------------
 # Read hook: a per-thread stack of contexts, installed in _variable while any
@@ -242,7 +242,7 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
         _check_signature(grad_fn, fname, [h.name for h, _ in variables])
         dys = jax.tree.map(jnp.zeros_like, y)
         dys = tuple(dys) if isinstance(y, (tuple, list)) else (dys,)
-        kw = {"variables": [_from_parts(val, h) for h, val in variables]} if variables else {}
+        kw = {"variables": [version(val, h) for h, val in variables]} if variables else {}
         # grad_fn may read variables f did not: they must be lifted too. A probe only: a faulty grad_fn is
         # reported when it is differentiated.
         with _reading(read), contextlib.suppress(Exception):
@@ -271,7 +271,7 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
     def fwd(a, lifted):
         with substitute(a, lifted):  # grad_fn's own reads see the lifted values too
             y, grad_fn = _split(f(*a), fname)
-            variables = [_from_parts(x, h) for (h, _), x in zip(reads[:n_vars], lifted, strict=False)]
+            variables = [version(x, h) for (h, _), x in zip(reads[:n_vars], lifted, strict=False)]
             a_tree = jax.tree.structure(a)
 
             def backward(dys):

@@ -60,13 +60,9 @@ def container_registry() -> Any:
         return None
 
 
-def _eval_trace_state() -> Any:
-    # take_current_trace() puts JAX in its top-level (eager) trace for the block, whatever traces are open.
-    with _jex.take_current_trace():
-        return _jex.get_opaque_trace_state()
-
-
-_EVAL_TRACE_STATE = _eval_trace_state()
+# take_current_trace() puts JAX in its top-level (eager) trace for the block, whatever traces are open.
+with _jex.take_current_trace():
+    _EVAL_TRACE_STATE = _jex.get_opaque_trace_state()
 
 
 def in_transformation() -> bool:

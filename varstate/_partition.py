@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from varstate._registry import _current_scope
+from varstate._registry import _scoped
 from varstate._variable import Variable
 
 
@@ -230,8 +230,7 @@ class PartitionedVariable:
                 f"PartitionedVariable {name!r}: partitioner returned {parts}; only axis {axis} "
                 f"may be split for shape {value.shape}."
             )
-        scope = _current_scope()  # the shards' names get it from Variable; the full name needs it too
-        full_name = f"{scope}/{name}" if scope else name
+        full_name = _scoped(name)  # the shards' names get the scopes from Variable; the full name needs them too
         self._variables = tuple(
             Variable(_part(value, info) if sharding is None else jax.device_put(_part(value, info), sharding),
                      name=f"{name}/part_{i}", trainable=trainable, save_slice_info=info, registry=registry)

@@ -32,8 +32,9 @@ def _next_resource_id() -> int:
 _scope = threading.local()
 
 
-def _current_scope() -> str:
-    return "/".join(getattr(_scope, "stack", ()))
+def _scoped(*names: str) -> str:
+    """This thread's name scopes, then `names`, joined by ``/`` (the current scope when no name is given)."""
+    return "/".join((*getattr(_scope, "stack", ()), *names))
 
 
 @contextlib.contextmanager
@@ -60,7 +61,7 @@ def name_scope(name: str) -> Iterator[str]:
     if not isinstance(name, str) or not name or name.endswith("/"):
         raise ValueError(f"name_scope: expected a non-empty string without a trailing '/', got {name!r}.")
     with _scopes((*getattr(_scope, "stack", ()), name)):
-        yield _current_scope()
+        yield _scoped()
 
 
 def outside_name_scopes() -> contextlib.AbstractContextManager[None]:

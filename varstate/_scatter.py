@@ -47,13 +47,6 @@ def _where(var: Variable, op: str) -> str:
     return f"Variable {var.name!r}.{op}"
 
 
-def _integer_indices(var: Variable, indices: Any, op: str) -> jax.Array:
-    indices = jnp.asarray(_unwrap(indices))
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise TypeError(f"{_where(var, op)}: indices must be integers, got {indices.dtype}.")
-    return indices
-
-
 def _rows_in_range(var: Variable, indices: jax.Array, op: str) -> None:
     if isinstance(indices, Tracer) or not indices.size:
         return
@@ -66,7 +59,8 @@ def _rows_in_range(var: Variable, indices: jax.Array, op: str) -> None:
         )
 
 
-def _not_scalar(var: Variable, op: str) -> None:
+def _value_and_indices(var: Variable, indices: Any, op: str) -> tuple[Any, jax.Array]:
+    """`var`'s value, checked to have rows, and `indices`, checked to be integers."""
     if not var.shape:
         what, fix = ("a gather", "read_value()") if op in ("sparse_read", "gather_nd") else (
             "a scatter", "assign_add/assign_sub/assign")
@@ -74,6 +68,11 @@ def _not_scalar(var: Variable, op: str) -> None:
             f"{_where(var, op)}: {what} needs a variable of rank >= 1 (its rows), but {var.name!r} is a scalar; "
             f"use {fix}."
         )
+    value = var.read_value()
+    indices = jnp.asarray(_unwrap(indices))
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"{_where(var, op)}: indices must be integers, got {indices.dtype}.")
+    return value, indices
 
 
 def _updates(var: Variable, updates: Any, want: tuple[int, ...], why: str, op: str) -> Any:
@@ -125,9 +124,7 @@ def scatter(var: Variable, sparse_delta: Any, op: str) -> jax.Array:
         raise TypeError(
             f"{_where(var, op)}: sparse_delta must be IndexedSlices, got {type(sparse_delta).__name__}."
         )
-    _not_scalar(var, op)
-    value = var.read_value()
-    indices = _integer_indices(var, sparse_delta.indices, op)
+    value, indices = _value_and_indices(var, sparse_delta.indices, op)
     want = (*indices.shape, *var.shape[1:])
     updates = _updates(var, sparse_delta.values, want,
                        f"indices shape {tuple(indices.shape)} + variable shape {var.shape}[1:]", op)
@@ -158,9 +155,7 @@ def _depth(var: Variable, indices: jax.Array, op: str) -> int:
 
 def scatter_nd(var: Variable, indices: Any, updates: Any, op: str) -> jax.Array:
     """The value after TF's `Variable.<op>(indices, updates)`, op one of scatter_nd_{add,sub,update,max,min}."""
-    _not_scalar(var, op)
-    value = var.read_value()
-    indices = _integer_indices(var, indices, op)
+    value, indices = _value_and_indices(var, indices, op)
     depth = _depth(var, indices, op)
     want = (*indices.shape[:-1], *var.shape[depth:])
     updates = _updates(var, updates, want,
@@ -170,18 +165,14 @@ def scatter_nd(var: Variable, indices: Any, updates: Any, op: str) -> jax.Array:
 
 def sparse_read(var: Variable, indices: Any) -> jax.Array:
     """The rows of `var` at `indices` (TF's `sparse_read`: a gather along the first dimension)."""
-    _not_scalar(var, "sparse_read")
-    value = var.read_value()
-    indices = _integer_indices(var, indices, "sparse_read")
+    value, indices = _value_and_indices(var, indices, "sparse_read")
     _rows_in_range(var, indices, "sparse_read")
     return value.at[indices].get(**_FILL)
 
 
 def gather_nd(var: Variable, indices: Any) -> jax.Array:
     """The slices of `var` that the rows of `indices` address (TF's `gather_nd`)."""
-    _not_scalar(var, "gather_nd")
-    value = var.read_value()
-    indices = _integer_indices(var, indices, "gather_nd")
+    value, indices = _value_and_indices(var, indices, "gather_nd")
     depth = _depth(var, indices, "gather_nd")
     return value.at[tuple(indices[..., j] for j in range(depth))].get(**_FILL)
 

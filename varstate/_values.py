@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from varstate._variable import Variable, _from_parts
+from varstate._variable import Variable, version
 
 
 def _is_var(x: Any) -> bool:
@@ -112,13 +112,8 @@ def tree_map(f: Any, tree: Any, *rest: Any) -> Any:
                 "Pass trees of one structure, with Variables in the same places (their identities may differ)."
             )
         columns.append([x for _, x in o_flat])
-    out = []
-    for xs in zip(*columns, strict=True):
-        if _is_var(xs[0]):
-            out.append(_from_parts(f(*(x.value for x in xs)), xs[0].handle))
-        else:
-            out.append(f(*xs))
-    return t_def.unflatten(out)
+    return t_def.unflatten([version(f(*(x.value for x in xs)), xs[0].handle) if _is_var(xs[0]) else f(*xs)
+                            for xs in zip(*columns, strict=True)])
 
 
 def _first_difference(flat: list, o_flat: list, t_def: Any, o_def: Any, other: str) -> str:

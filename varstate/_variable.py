@@ -22,7 +22,7 @@ from varstate import _scatter
 from varstate._array_ops import _ArrayOps, _unwrap
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import ArrayImpl, Tracer, in_transformation, is_deleted_array
-from varstate._registry import Registry, _current_scope, _next_resource_id
+from varstate._registry import Registry, _next_resource_id, _scoped
 
 
 class VariableSynchronization(enum.IntEnum):
@@ -107,16 +107,12 @@ class ResourceHandle:
 _new = object.__new__
 
 
-def _from_parts(value: Any, handle: ResourceHandle) -> Variable:
+def version(value: Any, handle: ResourceHandle) -> Variable:
+    """A version of the variable of `handle` holding `value`, unchecked and uncopied (a jitted step's output)."""
     v = _new(Variable)
     v._value = value
     v._handle = handle
     return v
-
-
-def version(value: Any, handle: ResourceHandle) -> Variable:
-    """A version of the variable of `handle` holding `value`, unchecked and uncopied (a jitted step's output)."""
-    return _from_parts(value, handle)
 
 
 def versions(values: list, handles: list) -> list[Variable]:
@@ -154,7 +150,7 @@ def derived(var: Variable, **changes: Any) -> Variable:
     old = var._handle
     attributes = {key: getattr(old, key) for key in ResourceHandle.__annotations__}
     # The registry holds the first handle weakly: each derived one keeps it alive.
-    return _from_parts(var._value, _new_handle({**attributes, **changes, "origin": old.origin or old}))
+    return version(var._value, _new_handle({**attributes, **changes, "origin": old.origin or old}))
 
 
 # While a `custom_gradient` function runs, reads consult this hook (a function
@@ -340,9 +336,7 @@ class Variable(_ArrayOps):
             initial_value = initial_value()
         value = _as_value(initial_value, dtype, f"Variable {name or 'Variable'!r} initial_value", copy)
         registry = Registry.default() if registry is None else registry
-        base = name or "Variable"
-        scope = _current_scope()
-        base = f"{scope}/{base}" if scope else base
+        base = _scoped(name or "Variable")
         h = _new_handle({"resource_id": _next_resource_id(), "name": base, "trainable": bool(trainable),
                          "synchronization": synchronization, "aggregation": aggregation,
                          "save_slice_info": save_slice_info, "slot_of": None, "slot_name": None, "saved_dtype": None,
@@ -494,7 +488,7 @@ class Variable(_ArrayOps):
         return value
 
     def _with_value(self, value: Any) -> Variable:
-        return _from_parts(value, self._handle)
+        return version(value, self._handle)
 
     def assign(self, value: _Value) -> Variable:
         """A new version holding `value`, with this variable's identity; this version is unchanged.
@@ -511,7 +505,7 @@ class Variable(_ArrayOps):
                 value of the same kind is converted, as TF does).
             ValueError: its shape differs from the variable's.
         """
-        return _from_parts(self._checked(value, "assign"), self._handle)
+        return version(self._checked(value, "assign"), self._handle)
 
     def assign_add(self, delta: _Value) -> Variable:
         """A new version holding ``value + delta`` (TF's `assign_add`).
@@ -527,7 +521,7 @@ class Variable(_ArrayOps):
                 value of the same kind is converted, as TF does).
             ValueError: its shape differs from the variable's.
         """
-        return _from_parts(self.read_value() + self._checked(delta, "assign_add"), self._handle)
+        return version(self.read_value() + self._checked(delta, "assign_add"), self._handle)
 
     def assign_sub(self, delta: _Value) -> Variable:
         """A new version holding ``value - delta`` (TF's `assign_sub`).
@@ -543,10 +537,10 @@ class Variable(_ArrayOps):
                 value of the same kind is converted, as TF does).
             ValueError: its shape differs from the variable's.
         """
-        return _from_parts(self.read_value() - self._checked(delta, "assign_sub"), self._handle)
+        return version(self.read_value() - self._checked(delta, "assign_sub"), self._handle)
 
     def _scatter(self, sparse_delta: Any, op: str) -> Variable:
-        return _from_parts(_scatter.scatter(self, sparse_delta, op), self._handle)
+        return version(_scatter.scatter(self, sparse_delta, op), self._handle)
 
     def scatter_add(self, sparse_delta: IndexedSlices) -> Variable:
         """A new version with the rows of `sparse_delta` added (TF's `scatter_add`; duplicates accumulate).
@@ -674,7 +668,7 @@ class Variable(_ArrayOps):
         return self._scatter(sparse_delta, "scatter_div")
 
     def _scatter_nd(self, indices: Any, updates: Any, op: str) -> Variable:
-        return _from_parts(_scatter.scatter_nd(self, indices, updates, op), self._handle)
+        return version(_scatter.scatter_nd(self, indices, updates, op), self._handle)
 
     def scatter_nd_add(self, indices: Any, updates: Any) -> Variable:
         """A new version with `updates` added at `indices` (TF's `scatter_nd_add`; duplicates accumulate).
@@ -842,7 +836,7 @@ class Variable(_ArrayOps):
 
     def __copy__(self) -> Variable:
         # A version is immutable: its copy is the same version (same value, same identity), as for a tuple.
-        return _from_parts(self._value, self._handle)
+        return version(self._value, self._handle)
 
     def __deepcopy__(self, memo: dict) -> Variable:
         # The value is copied, the identity kept (identity is the resource, not the data): a deep copy of a model
@@ -850,7 +844,7 @@ class Variable(_ArrayOps):
         value = self._value
         if isinstance(value, jax.Array) and not isinstance(value, Tracer):
             value = _copy(self.read_value())
-        return _from_parts(value, self._handle)
+        return version(value, self._handle)
 
 
 def _flatten_with_keys(v: Variable):
