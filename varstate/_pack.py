@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from varstate._values import _is_var
 from varstate._variable import Variable, version
 
 
@@ -155,10 +156,6 @@ class Packed:
     def __repr__(self) -> str:
         shapes = [f"{b.dtype}[{b.shape[0]}]" for b in self.buffers]
         return f"Packed(buffers={shapes}, unpacked={len(self.loose)})"
-
-
-def _is_var(x: Any) -> bool:
-    return isinstance(x, Variable)
 
 
 def joined(parts: list, like: Any) -> Any:
