@@ -67,11 +67,8 @@ class LazyTable(dict):
         return self[key]
 
     def __contains__(self, key: object) -> bool:
-        if super().__contains__(key):
-            return True
-        if _loaded:
-            return False
-        _load()
+        if not _loaded and not super().__contains__(key):
+            _load()
         return super().__contains__(key)
 
     def get(self, key, default=None):

@@ -419,9 +419,8 @@ class CheckpointManager:
         >>> mgr.best_step(), mgr.metrics(2)
         (2, {'loss': 0.2})
         """
-        sign = 1.0 if self._best_mode == "max" else -1.0
-        scored = [(sign * score, i, s) for i, s in enumerate(self._steps) if (score := self._scores.get(s)) is not None]
-        return max(scored)[2] if scored else None
+        scored = [s for s in reversed(self._steps) if self._scores.get(s) is not None]  # newest first: wins ties
+        return max(scored, key=self._rank) if scored else None
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with the kept checkpoint of `step` (None if it was saved without).
@@ -614,15 +613,14 @@ class CheckpointManager:
             return []
         if self._best_fn is None:
             return steps[: -self.max_to_keep]
-        sign = 1.0 if self._best_mode == "max" else -1.0
-
-        def rank(s: int) -> tuple:
-            score = self._scores.get(s)
-            return (score is not None, sign * score if score is not None else 0.0)
-
         # Newest first into a stable sort: ties go to the more recent.
-        best = set(sorted(reversed(steps), key=rank, reverse=True)[: self.max_to_keep])
+        best = set(sorted(reversed(steps), key=self._rank, reverse=True)[: self.max_to_keep])
         return [s for s in steps[:-1] if s not in best]  # the latest stays: it is what training resumes from
+
+    def _rank(self, step: int) -> tuple[bool, float]:
+        """How good `step`'s checkpoint is by `best_fn` (greater is better); one without a score ranks lowest."""
+        score = self._scores.get(step)
+        return (False, 0.0) if score is None else (True, score if self._best_mode == "max" else -score)
 
     def wait_until_finished(self) -> None:
         """Blocks until an asynchronous save is committed; raises its error if it failed.

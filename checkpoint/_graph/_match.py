@@ -127,12 +127,9 @@ def restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool = Tr
     for name, obj in roots.items():
         cells, left, opts = len(found.cells), len(st.unmatched), len(found.opts)
         tree[name] = _match(st, _walk.unwrap(obj), top.get(name), f"(root).{name}", found)
-        took[name], missed[name] = len(found.cells) - cells, len(st.unmatched) - left
         for opt in found.opts[opts:]:  # slots are matched last (after every primary), but belong to this root
-            cells, left = len(found.cells), len(st.unmatched)
             _match_slots(st, opt, found)
-            took[name] += len(found.cells) - cells
-            missed[name] += len(st.unmatched) - left
+        took[name], missed[name] = len(found.cells) - cells, len(st.unmatched) - left
     for name in roots:
         if not took[name] and missed[name]:
             st.dead_roots[name] = _dead_root(st, name, top)

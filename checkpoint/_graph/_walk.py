@@ -133,9 +133,8 @@ def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
         if jax.tree.leaves(plain):
             kids.append((PLAIN_SLOTS, plain))
         return kids
-    nnx = _nnx()
-    if nnx is not None and isinstance(obj, nnx.Module):  # as its nnx.State: shared Variables once each
-        obj = nnx.state(obj)
+    if is_nnx_module(obj):  # as its nnx.State: shared Variables once each
+        obj = _nnx().state(obj)
     if isinstance(obj, Packed):  # as its params, each variable under its own key (`varstate.pack`)
         obj = obj.unpack()
     pairs, _ = _flatten_one(obj, where)
