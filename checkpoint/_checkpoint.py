@@ -122,14 +122,19 @@ def check_format(format: str, where: str) -> None:
         raise ValueError(f"{where}: unknown format {format!r}; expected 'orbax' or 'tf'.")
 
 
-def _kinds(values: dict[str, Any]) -> list[str]:
-    return [f"{k}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', type(v).__name__)}"
-            for k, v in sorted(values.items()) if not isinstance(v, list)]
+def _checked_graph(roots: dict[str, Any], what: str) -> tuple[Any, dict[str, Any]]:
+    """The object graph of `roots` and its values, checked in a `jax.distributed` job to agree between processes.
 
-
-def _fingerprint(proto: Any, values: dict[str, Any]) -> bytes:
-    """What must agree between processes: the graph (names, structure) and every value's shape and dtype."""
-    return proto.SerializeToString(deterministic=True) + "\n".join(_kinds(values)).encode()
+    What must agree: the graph (names, structure) and every value's shape and dtype.
+    """
+    graph = _graph.build(roots)
+    values = _graph.values(graph)
+    if _distributed.process_count() > 1:
+        kinds = [f"{k}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', type(v).__name__)}"
+                 for k, v in sorted(values.items()) if not isinstance(v, list)]
+        fingerprint = graph.proto.SerializeToString(deterministic=True) + "\n".join(kinds).encode()
+        _distributed.check_same(what, fingerprint, kinds)
+    return graph, values
 
 
 def _tf_of_processes(temp: str, values: dict[str, Any], graph: bytes):
@@ -368,10 +373,7 @@ class Checkpoint:
 
     def _restore(self, save_path: str, *, strict: bool = False, expect_partial: bool = False) -> LoadStatus:
         if _distributed.process_count() > 1:  # every process must load the same values onto the same shardings
-            graph = _graph.build(dict(self._roots))
-            values = _graph.values(graph)
-            _distributed.check_same("object graph of the restore templates", _fingerprint(graph.proto, values),
-                                    _kinds(values))
+            _checked_graph(dict(self._roots), "object graph of the restore templates")
         reader = _storage.open_reader(save_path)
         if reader.object_graph is None:
             raise ValueError(
@@ -440,11 +442,7 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
     roots = dict(ckpt._roots)
     if counter is not None or ckpt._counter_tracked:
         roots[_keys.SAVE_COUNTER] = np.int64(ckpt.save_counter if counter is None else counter)
-    graph = _graph.build(roots)
-    values = _graph.values(graph)
-    if _distributed.process_count() > 1:
-        _distributed.check_same("object graph of the saved roots", _fingerprint(graph.proto, values),
-                                _kinds(values))
+    graph, values = _checked_graph(roots, "object graph of the saved roots")
     if format == "tf" and _distributed.process_count() > 1:
         finish = _tf_of_processes(temp, values, graph.proto.SerializeToString())
         if background:  # its shards are read as it writes: written now, so later (donating) steps cannot race

@@ -169,8 +169,7 @@ def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int],
     if first is None:
         return
     slot_name, path, slot = first
-    suffix = f"/{slot_name}"
-    primary = slot.name[: -len(suffix)] if slot.name.endswith(suffix) else slot.name
+    primary = slot.name.removesuffix(f"/{slot_name}")
     raise ValueError(
         f"Cannot checkpoint the optimizer {where}: none of its slots belongs to a saved Variable. The first, "
         f"{slot_name!r} ({slot.name!r}), is for the Variable {primary!r} (params{jax.tree_util.keystr(path)}), "

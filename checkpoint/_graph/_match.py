@@ -295,13 +295,13 @@ def _value(cell: _Cell) -> Any:
 
 
 def _expected(cell: _Cell) -> tuple[tuple[int, ...], np.dtype] | None:
-    t = cell.template
     if cell.kind == Kind.PYTHON:
         return None
     if cell.prng:
         spec = jax.eval_shape(jax.random.key_data, _value(cell))  # the key data it is saved as
         return tuple(spec.shape), np.dtype(spec.dtype)
-    v = _walk.variable_of(t) if cell.kind == Kind.VARIABLE else t  # a PartitionedVariable has the full shape
+    # a PartitionedVariable has the full shape
+    v = _walk.variable_of(cell.template) if cell.kind == Kind.VARIABLE else cell.template
     return tuple(v.shape if cell.info is None else cell.info.full_shape), np.dtype(v.dtype)
 
 
