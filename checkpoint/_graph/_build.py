@@ -42,7 +42,6 @@ class Saveable:
 
     key: str
     obj: Any  # Variable, PartitionedVariable (or a list of slot shards), array or Python scalar
-    full_name: str
     attribute: str = _keys.VARIABLE_VALUE
 
 
@@ -69,7 +68,7 @@ def build(roots: dict[str, Any]) -> Graph:
     def add_value(node_id: int, attribute: str, obj: Any, full_name: str) -> None:
         key = _keys.attribute_key(paths[node_id], attribute)
         nodes[node_id].attributes.add(name=attribute, full_name=full_name, checkpoint_key=key)
-        saveables.append(Saveable(key, obj, full_name, attribute))
+        saveables.append(Saveable(key, obj, attribute))
 
     queue = collections.deque([(0, [(name, unwrap(roots[name])) for name in roots])])
     while queue:
