@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from checkpoint import _graph, _keys, _storage
-from checkpoint._errors import DataLossError
+from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint._status import InitializationOnlyStatus, LoadStatus
 from checkpoint._storage import _distributed, _save
 
@@ -72,9 +72,10 @@ def restore_arrays(path: str | os.PathLike, *, sharding: Any = None) -> dict[str
     Raises:
         ValueError: a name-based checkpoint (no object graph: read it with
             `read_checkpoint`); two values at one path (a slot named as a
-            child of its optimizer).
+            child of its optimizer); a root object that is itself a value.
         FileNotFoundError: no checkpoint at `path`.
-        CheckpointFormatError: a corrupt file.
+        CheckpointFormatError: a corrupt file, or an object graph with no
+            nodes or a slot reference outside it.
 
     >>> import os, tempfile, jax.numpy as jnp, varstate, checkpoint
     >>> model = {"w": varstate.Variable(jnp.ones(2)), "b": jnp.zeros(1)}
@@ -91,6 +92,10 @@ def restore_arrays(path: str | os.PathLike, *, sharding: Any = None) -> dict[str
     paths = _keys.first_paths(proto.nodes)
     for i, node in enumerate(proto.nodes):  # slots after the walk: a primary may sit deeper than its optimizer
         for ref in node.slot_variables:
+            if not 0 <= ref.slot_variable_node_id < len(proto.nodes):
+                raise CheckpointFormatError(
+                    f"checkpoint.restore_arrays: {os.fspath(path)!r}: a slot variable reference of node {i} refers to "
+                    f"node {ref.slot_variable_node_id}, but the object graph has {len(proto.nodes)} nodes")
             if i in paths and ref.original_variable_node_id in paths:
                 paths.setdefault(ref.slot_variable_node_id,
                                  paths[i] + (ref.slot_name,) + paths[ref.original_variable_node_id])
@@ -104,6 +109,10 @@ def restore_arrays(path: str | os.PathLike, *, sharding: Any = None) -> dict[str
 
                 value = jax.device_put(value, sharding)
             full = where if len(attributes) == 1 and a.name == _keys.VARIABLE_VALUE else (*where, a.name)
+            if not full:
+                raise ValueError(f"checkpoint.restore_arrays: the root object of {os.fspath(path)!r} is itself a "
+                                 f"value ({a.checkpoint_key!r}), which has no path below the root; read it by key "
+                                 "with checkpoint.read_checkpoint(path).get(key).")
             tree = out
             for part in full[:-1]:
                 tree = tree.setdefault(part, {})

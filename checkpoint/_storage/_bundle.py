@@ -408,4 +408,8 @@ class BundleReader:
         value = self.get(GRAPH_KEY)
         if value.shape != () or not isinstance(value.item(), bytes):
             raise CheckpointFormatError(f"{self.index_path}: {GRAPH_KEY} is not a scalar string")
-        return self._parse(trackable_object_graph_pb2.TrackableObjectGraph, value.item(), f"key {GRAPH_KEY!r}")
+        graph = self._parse(trackable_object_graph_pb2.TrackableObjectGraph, value.item(), f"key {GRAPH_KEY!r}")
+        if not graph.nodes:  # the walks over it start at node 0
+            raise CheckpointFormatError(f"{self.index_path}: its object graph ({GRAPH_KEY}) has no nodes; TF's always "
+                                        "holds the root object, node 0")
+        return graph

@@ -510,3 +510,42 @@ def test_restore_arrays_reads_a_checkpoint_without_templates(tmp_path):
         checkpoint.restore_arrays(prefix)
     assert str(e.value) == (f"checkpoint.restore_arrays: {prefix!r} is a name-based checkpoint (no object graph); "
                             "read its values by name with checkpoint.read_checkpoint(path).get(key).")
+
+
+def test_restore_arrays_of_crafted_object_graphs(tmp_path):
+    # Graphs TF never writes, each an IndexError before: no nodes at all, a root that is itself a value, a slot
+    # reference past the last node.
+    from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
+
+    def written(name, nodes):
+        graph = TrackableObjectGraph()
+        for attributes, slots in nodes:
+            node = graph.nodes.add()
+            for key in attributes:
+                node.attributes.add(name="VARIABLE_VALUE", checkpoint_key=key, full_name=key)
+            for original, slot in slots:
+                node.slot_variables.add(original_variable_node_id=original, slot_variable_node_id=slot, slot_name="m")
+        prefix = str(tmp_path / name)
+        _storage.write_bundle(prefix, {"_CHECKPOINTABLE_OBJECT_GRAPH": graph.SerializeToString(),
+                                       "x": np.ones(2, np.float32)})
+        return prefix
+
+    prefix = written("empty", [])
+    with pytest.raises(checkpoint.CheckpointFormatError) as e:
+        checkpoint.restore_arrays(prefix)
+    assert str(e.value) == (f"{prefix}.index: its object graph (_CHECKPOINTABLE_OBJECT_GRAPH) has no nodes; TF's "
+                            "always holds the root object, node 0")
+    with pytest.raises(checkpoint.CheckpointFormatError, match="has no nodes"):  # restore reads the same graph
+        checkpoint.Checkpoint(w=varstate.Variable(jnp.zeros(2))).restore(prefix)
+    prefix = written("root_value", [(["x"], [])])
+    with pytest.raises(ValueError) as e:
+        checkpoint.restore_arrays(prefix)
+    assert str(e.value) == (f"checkpoint.restore_arrays: the root object of {prefix!r} is itself a value ('x'), "
+                            "which has no path below the root; read it by key with "
+                            "checkpoint.read_checkpoint(path).get(key).")
+    assert checkpoint.read_checkpoint(prefix).get("x").tolist() == [1.0, 1.0]  # the fix the message gives
+    prefix = written("slot", [([], [(0, 99)])])
+    with pytest.raises(checkpoint.CheckpointFormatError) as e:
+        checkpoint.restore_arrays(prefix)
+    assert str(e.value) == (f"checkpoint.restore_arrays: {prefix!r}: a slot variable reference of node 0 refers to "
+                            "node 99, but the object graph has 1 nodes")
