@@ -105,27 +105,18 @@ def _opened(path: str) -> Iterator[tuple[str, bool, Iterator[tuple[str, int]]]]:
     yield reader.format_name, not isinstance(reader, OrbaxTreeReader), _values(reader)
 
 
-def _values(reader) -> Iterator[tuple[str, int]]:
+def _values(reader: _storage.Reader) -> Iterator[tuple[str, int]]:
     """Reads every value of `reader` once, in storage order; yields (key, bytes) or raises _DamageError."""
-    keys = out.key_list(reader)
-    cached = type(reader).__name__ == "OrbaxReader"  # no import: a TF checkpoint is verified without orbax
-    batch_of = _orbax_batches(reader) if cached else {}
-    keys.sort(key=lambda k: (batch_of.get(k, -1), k))
-    for i, key in enumerate(keys):
-        try:
-            value = np.asarray(reader.get(key))
-        except _READ_ERRORS as e:
-            raise _DamageError(key, e) from None
-        yield key, out.value_bytes(value)
-        del value
-        # This library's orbax reader keeps what it read for later restores: drop it once its batch is done.
-        if cached and (key not in batch_of or i + 1 == len(keys) or batch_of.get(keys[i + 1]) != batch_of[key]):
-            reader._cache.clear()
-
-
-def _orbax_batches(reader) -> dict[str, int]:
-    """{key: the batch it is stored in} of this library's orbax reader, for the values stored in batches."""
-    return {k: e["pack"] for k, e in reader._entries.items() if isinstance(e, dict) and "pack" in e}
+    for group in reader.stored_together(out.key_list(reader)):
+        for key in group:
+            try:
+                value = np.asarray(reader.get(key))
+            except _READ_ERRORS as e:
+                raise _DamageError(key, e) from None
+            yield key, out.value_bytes(value)
+            del value
+        # The orbax readers keep what they read for later restores: dropped once its batch is done.
+        reader.release()
 
 
 def _safetensors(path: str) -> tuple[str, bool, Iterator[tuple[str, int]]]:

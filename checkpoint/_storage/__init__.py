@@ -55,7 +55,9 @@ class Reader(Protocol):
     def get_into(self, key: str, sharding: Any) -> Any: ...  # a jax.Array on `sharding`
     # {key: sharding or None} -> {key: value}, on that sharding where the reader places it, else on the host
     def get_many(self, requests: dict[str, Any]) -> dict[str, Any]: ...
-
+    # `keys` in the order to read them all, grouped as one read loads them (an orbax batch); else one by one
+    def stored_together(self, keys: list[str]) -> list[list[str]]: ...
+    def release(self) -> None: ...  # forget the host copies kept for later reads (the orbax readers keep them)
 
 def is_orbax(path: str) -> bool:
     """True for an orbax-format checkpoint directory (checked without importing orbax)."""

@@ -23,7 +23,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._crc import crc32c, mask
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, within
-from checkpoint._storage._host import held_here, place, place_many, read_grouped, read_runs
+from checkpoint._storage._host import held_here, one_by_one, place, place_many, read_grouped, read_runs
 from checkpoint._storage._table import read_table, read_varint
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
 
@@ -156,6 +156,12 @@ class BundleReader:
     def keys(self) -> list[str]:
         """Tensor names in sorted order (without the object graph's key)."""
         return [k for k in self._entries if k != GRAPH_KEY]
+
+    def stored_together(self, keys: list[str]) -> list[list[str]]:
+        return one_by_one(keys)
+
+    def release(self) -> None:
+        """Keeps no host copies: nothing to forget."""
 
     def entry(self, key: str) -> tensor_bundle_pb2.BundleEntryProto:
         """The BundleEntryProto stored for `key`."""

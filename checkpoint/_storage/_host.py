@@ -195,3 +195,8 @@ def read_ahead(items: Iterable[T], read: Callable[[T], R], nbytes: Callable[[T],
         finally:
             for _, future, _ in pending:
                 future.cancel()
+
+
+def one_by_one(keys: list[str]) -> list[list[str]]:
+    """`Reader.stored_together` of a reader that reads each value on its own: by key, one to a group."""
+    return [[k] for k in sorted(keys)]

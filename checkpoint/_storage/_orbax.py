@@ -213,6 +213,18 @@ class OrbaxReader(KeyedReader):
     def format_name(self) -> str:
         return f"orbax {'object' if self.object_graph is not None else 'name'}-based checkpoint"
 
+    def stored_together(self, keys: list[str]) -> list[list[str]]:
+        """`keys` a batch to a group (one read loads, checks and keeps a batch whole), after those stored alone."""
+        batch_of = {}
+        for key in keys:
+            e = self._lookup(key)
+            if isinstance(e, dict) and "pack" in e:
+                batch_of[key] = e["pack"]
+        groups: dict[Any, list[str]] = {}
+        for key in sorted(keys, key=lambda k: (batch_of.get(k, -1), k)):
+            groups.setdefault(batch_of.get(key, key), []).append(key)
+        return list(groups.values())
+
     def get_slices(self, key: str) -> list[tuple[slice, ...]]:
         self._lookup(key)
         return [_keys.slice_index(*zip(*box, strict=True)) for box in self._slices.get(key, ())]

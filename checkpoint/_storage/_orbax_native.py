@@ -28,6 +28,7 @@ import numpy as np
 from checkpoint import _keys
 from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint._storage._files import read_regular, within
+from checkpoint._storage._host import one_by_one
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 TREE_METADATA = "_METADATA"  # orbax's PyTree metadata: its presence marks a PyTree directory
@@ -77,9 +78,16 @@ class KeyedReader:
 
     path: str
     _entries: dict[str, Any]
+    _cache: dict[str, np.ndarray]  # host copies read before, kept for later (deferred) restores
 
     def keys(self) -> list[str]:
         return sorted(self._entries)
+
+    def stored_together(self, keys: list[str]) -> list[list[str]]:
+        return one_by_one(keys)
+
+    def release(self) -> None:
+        self._cache.clear()
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

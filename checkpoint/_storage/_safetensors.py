@@ -29,7 +29,7 @@ import numpy as np
 from checkpoint import _dtypes
 from checkpoint._errors import CheckpointFormatError
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, replacing
-from checkpoint._storage._host import aligned_empty, place_many, read_grouped, read_runs
+from checkpoint._storage._host import aligned_empty, one_by_one, place_many, read_grouped, read_runs
 
 HEADER_LIMIT = 100 << 20  # the bound the safetensors package puts on a header
 INDEX_LIMIT = 64 << 20
@@ -245,6 +245,12 @@ class SafetensorsReader:
 
     def keys(self) -> list[str]:
         return list(self.entries)
+
+    def stored_together(self, keys: list[str]) -> list[list[str]]:
+        return one_by_one(keys)
+
+    def release(self) -> None:
+        """Keeps no host copies: nothing to forget."""
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries

@@ -190,6 +190,12 @@ class _TemplateReader:
         stored = self.st.get_many({k: s for k, s in requests.items() if k not in self.extra})
         return {k: self.extra[k] if k in self.extra else stored[k] for k in requests}
 
+    def stored_together(self, keys: list[str]) -> list[list[str]]:
+        return self.st.stored_together(keys)
+
+    def release(self) -> None:
+        self.st.release()
+
 
 def _json(st: SafetensorsReader, key: str) -> dict[str, Any]:
     text = st.metadata.get(key)

@@ -227,3 +227,18 @@ def test_orbax_verify_keeps_at_most_one_batch_in_memory(tmp_path, monkeypatch):
     assert len(reader._batches) > 2 and any("array" in e for e in reader._entries.values())
     held = [len(reader._cache) for _ in _verify._values(reader)]
     assert len(held) == 10 and max(held) == 1 and len(reader._cache) == 0
+
+
+def test_verify_of_an_orbax_written_tree_keeps_no_value_it_has_read(tmp_path):
+    # orbax's own trees are read a value at a time and the reader keeps each copy for later restores: verify lets
+    # each go once checked (it kept every value, the whole checkpoint, before).
+    from checkpoint._storage._orbax_native import OrbaxTreeReader
+
+    path = str(tmp_path / "tree")
+    with ocp.StandardCheckpointer() as c:
+        c.save(path, {f"w{i}": np.full(3, float(i), np.float32) for i in range(4)})
+    reader = OrbaxTreeReader(path)
+    assert reader.stored_together(reader.keys()) == [["w0"], ["w1"], ["w2"], ["w3"]]
+    held = [len(reader._cache) for _ in _verify._values(reader)]
+    assert held == [1, 1, 1, 1] and reader._cache == {}
+    assert reader.get("w2").tolist() == [2.0, 2.0, 2.0]  # still readable: it reads again
