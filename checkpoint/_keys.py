@@ -65,6 +65,11 @@ def first_paths(nodes: Sequence[Any]) -> dict[int, tuple[str, ...]]:
     return paths
 
 
+def key_paths(nodes: Sequence[Any]) -> dict[int, str]:
+    """`first_paths` as the prefixes of the nodes' checkpoint keys: escaped local names joined by ``/``."""
+    return {i: "/".join(map(escape, path)) for i, path in first_paths(nodes).items()}
+
+
 def attribute_key(path: str, attribute: str = VARIABLE_VALUE) -> str:
     return f"{path}/{ATTRIBUTES}/{attribute}"
 

@@ -30,18 +30,13 @@ def _value_label(info: dict[str, Any]) -> str:
     return f"{info['dtype']} {tuple(info['shape'])} {out.human(info['bytes'])}{extra}"
 
 
-def _bfs_paths(nodes) -> dict[int, str]:
-    """Each node's path (escaped local names), the first one found breadth-first, as TF names its keys."""
-    return {i: "/".join(_keys.escape(name) for name in path) for i, path in _keys.first_paths(nodes).items()}
-
-
 def _tree_rows(nodes, describe) -> list[dict[str, Any]]:
     """The object graph as rows, depth first: each object under its first path, later paths as `same_as`.
 
     `describe(node_id)` gives a row's fields for a node. A stack, not recursion: the depth of the graph is
     the file's to choose, and a chain of thousands of objects must print.
     """
-    paths = _bfs_paths(nodes)
+    paths = _keys.key_paths(nodes)
     rows: list[dict[str, Any]] = []
     stack = [(0, 0, iter(nodes[0].children))]
     while stack:
@@ -302,7 +297,7 @@ def _inspect_export(args) -> int:
         return {"kind": f"unknown kind {kind!r}"}
 
     rows = _tree_rows(graph.nodes, describe)
-    paths = _bfs_paths(graph.nodes)
+    paths = _keys.key_paths(graph.nodes)
     signatures = []
     for row in rows:
         if "function" not in row:  # a later path to an object (same_as) is a row without the object's fields

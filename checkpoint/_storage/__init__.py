@@ -59,6 +59,7 @@ class Reader(Protocol):
     def stored_together(self, keys: list[str]) -> list[list[str]]: ...
     def release(self) -> None: ...  # forget the host copies kept for later reads (the orbax readers keep them)
 
+
 def is_orbax(path: str) -> bool:
     """True for an orbax-format checkpoint directory (checked without importing orbax)."""
     # Anything by that name: a FIFO or a link in its place is then refused by the reader, naming it.

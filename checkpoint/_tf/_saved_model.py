@@ -222,11 +222,10 @@ def _check_ref(node_id: int, count: int, pb_path: str, where: str) -> None:
 
 def _paths(nodes, pb_path: str) -> dict[int, str]:
     """Each node's first breadth-first path (TF's rule for checkpoint keys), then slot variables' paths."""
-    first = _keys.first_paths(nodes)
-    for i in first:  # in the order the walk reached them, so the first bad reference met is the one reported
+    paths = _keys.key_paths(nodes)
+    for i in paths:  # in the order the walk reached them, so the first bad reference met is the one reported
         for ref in nodes[i].children:
             _check_ref(ref.node_id, len(nodes), pb_path, f"a child {ref.local_name!r} of node {i}")
-    paths = {i: "/".join(map(_keys.escape, path)) for i, path in first.items()}
     for i, node in enumerate(nodes):
         for ref in node.slot_variables:
             for n in (ref.original_variable_node_id, ref.slot_variable_node_id):
