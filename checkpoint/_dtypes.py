@@ -182,6 +182,11 @@ class _EnumOf(LazyTable):
     def __contains__(self, dtype: object) -> bool:
         return tf_name(dtype) is not None or super().__contains__(dtype)  # type: ignore[arg-type]  # tf_name: None for a non-dtype
 
+    def get(self, dtype, default=None):
+        # An untagged dtype in the table needs no quantized-tag lookup (a writer asks once per value).
+        found = dict.get(self, dtype) if isinstance(dtype, np.dtype) and dtype.metadata is None else None
+        return found if found is not None else super().get(dtype, default)
+
 
 ENUM_OF: dict[np.dtype, types_pb2.DataType] = _EnumOf({v: k for k, v in dict.items(BY_ENUM)},
                                                       lambda ml: {v: k for k, v in _ml_by_enum(ml).items()})

@@ -73,6 +73,8 @@ def build(roots: dict[str, Any]) -> Graph:
     queue = collections.deque([(0, [(name, unwrap(roots[name])) for name in roots])])
     while queue:
         parent, kids = queue.popleft()
+        parent_node, parent_path, parent_label = nodes[parent], paths[parent], labels[parent]
+        under_optimizer = kinds[parent] == Kind.OPTIMIZER or in_optimizer[parent]
         for name, child in kids:
             k = kind(child)
             if k == Kind.NONE or (k == Kind.CONTAINER and not jax.tree.leaves(child) and not has_python(child)):
@@ -82,22 +84,23 @@ def build(roots: dict[str, Any]) -> Graph:
             if node_id is None:
                 node_id = len(nodes)
                 nodes.append(proto.nodes.add())
-                paths.append(_keys.child_path(paths[parent], name))
-                labels.append(f"{labels[parent]}.{name}")
+                paths.append(_keys.child_path(parent_path, name))
+                labels.append(f"{parent_label}.{name}")
                 objects.append(child)
                 kinds.append(k)
-                in_optimizer.append(kinds[parent] == Kind.OPTIMIZER or in_optimizer[parent])
+                in_optimizer.append(under_optimizer)
                 if ident is not None:
                     node_of[ident] = node_id
-                if k in (Kind.CONTAINER, Kind.OPTIMIZER):
+                if k == Kind.CONTAINER or k == Kind.OPTIMIZER:
                     queue.append((node_id, children(child, labels[node_id])))
-            nodes[parent].children.add(node_id=node_id, local_name=name)
+            parent_node.children.add(node_id=node_id, local_name=name)
     for node_id in range(1, len(objects)):
         k, obj, path = kinds[node_id], objects[node_id], paths[node_id]
         if k in VALUES:
-            full_name = variable_of(obj).name if k == Kind.VARIABLE else obj.name if k == Kind.PARTITIONED else path
+            var = variable_of(obj) if k == Kind.VARIABLE else None
+            full_name = var.name if var is not None else obj.name if k == Kind.PARTITIONED else path
             add_value(node_id, _keys.PY_STATE if k == Kind.PYTHON else _keys.VARIABLE_VALUE, obj, full_name)
-            value = variable_of(obj).value if k == Kind.VARIABLE else obj
+            value = var.value if var is not None else obj
             if k in (Kind.VARIABLE, Kind.ARRAY) and is_prng_key(value):
                 add_value(node_id, PRNG_KEY_IMPL, key_impl(value), full_name)
     # Slots: found through their primary's resource id among all nodes, as TF
@@ -135,7 +138,7 @@ def build(roots: dict[str, Any]) -> Graph:
                           full_name)
             nodes[opt_id].slot_variables.add(original_variable_node_id=primary, slot_name=slot_name,
                                              slot_variable_node_id=existing)
-    _mark_values(proto)
+    _mark_values(nodes)
     return Graph(proto, saveables, paths, objects)
 
 
@@ -183,17 +186,19 @@ def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int],
     )
 
 
-def _mark_values(proto: TrackableObjectGraph) -> None:
+def _mark_values(nodes: list[Any]) -> None:
     """Sets TF's `has_checkpoint_values`: the node, a dependency or one of its slots holds a value."""
-    has = [bool(n.attributes) for n in proto.nodes]
+    has = [bool(n.attributes) for n in nodes]
+    # Only nodes with edges can change: a graph of 2,000 values has a few dozen of them.
+    edges = [(i, [r.node_id for r in n.children] + [r.slot_variable_node_id for r in n.slot_variables])
+             for i, n in enumerate(nodes) if not has[i]]
     changed = True
     while changed:
         changed = False
-        for i, node in enumerate(proto.nodes):
-            if not has[i] and (any(has[r.node_id] for r in node.children)
-                               or any(has[r.slot_variable_node_id] for r in node.slot_variables)):
+        for i, targets in edges:
+            if not has[i] and any(has[j] for j in targets):
                 has[i] = changed = True
-    for node, value in zip(proto.nodes, has, strict=True):
+    for node, value in zip(nodes, has, strict=True):
         node.has_checkpoint_values.value = value
 
 

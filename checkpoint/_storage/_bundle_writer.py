@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import struct
 import sys
@@ -28,6 +29,9 @@ from checkpoint.protos import tensor_bundle_pb2, types_pb2
 __all__ = ["Sliced", "assembled", "start_bundle", "tf_tensors", "write_bundle", "write_bundle_of_processes"]
 
 _OVERLAP_BYTES = 1 << 20  # a value this large has its checksum computed beside its write
+_LITTLE = sys.byteorder == "little"
+_IOV_MAX = 1024  # buffers per writev call (POSIX's minimum for IOV_MAX; Linux's value)
+_GATHER_BYTES = 1 << 20  # small values written together: bounds the host copies of device arrays held at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +91,15 @@ def _as_value(key: str, value) -> tuple[types_pb2.DataType, np.ndarray | bytes, 
         data, crc = _encode_strings(key, arr)
         return _dtypes.STRING_ENUM, data, arr.shape, crc
     dtype = arr.dtype.newbyteorder("=") if arr.dtype.byteorder in "<>" else arr.dtype
-    if dtype not in _dtypes.ENUM_OF:
+    enum = _dtypes.ENUM_OF.get(dtype)
+    if enum is None:
         raise TypeError(
             f"write_bundle: key {key!r} has dtype {arr.dtype}, which a TF checkpoint cannot hold "
             f"(supported: {sorted(str(d) for d in _dtypes.ENUM_OF)}, strings)."
         )
-    flat = np.ascontiguousarray(arr, dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
-    return _dtypes.ENUM_OF[dtype], flat, arr.shape, None
+    if not (arr.flags.c_contiguous and arr.dtype.isnative and _LITTLE):  # TF stores C order, little-endian
+        arr = np.ascontiguousarray(arr, dtype.newbyteorder("<"))
+    return enum, arr.reshape(-1).view(np.uint8), arr.shape, None
 
 
 def _encode_strings(key: str, arr: np.ndarray) -> tuple[bytes, int]:
@@ -199,7 +205,8 @@ class _DataWriter:
         self.pool = ThreadPoolExecutor(1)
         self.shard, self.offset = shard, 0
         self.items: list[tuple[bytes, bytes]] = []
-        self.small = bytearray()  # small values are gathered into one write
+        self.small: list[np.ndarray] = []  # small values, written together by one writev
+        self.small_bytes = 0
 
     def __enter__(self) -> _DataWriter:
         return self
@@ -219,33 +226,57 @@ class _DataWriter:
             # A large value's checksum runs beside its write (both release the GIL).
             job = self.pool.submit(crc32c, data) if crc is None else None
             if size < _OVERLAP_BYTES:
-                self.small += memoryview(data)  # type: ignore[arg-type]  # ndarray __buffer__: numpy's 3.12 stubs
+                if size:
+                    self.small.append(data)  # type: ignore[arg-type]  # bytes are a buffer too
+                    self.small_bytes += size
             else:
                 self._flush()
-                self._write_all(data)
+                self._write_all([data])
                 _start_writeback(self.file.fileno(), self.offset, size)
-            entry = tensor_bundle_pb2.BundleEntryProto(
-                dtype=enum, shape={"dim": [{"size": d} for d in shape]}, shard_id=self.shard, offset=self.offset,
-                size=size, crc32c=mask(crc if job is None else job.result()),  # type: ignore[arg-type]  # crc None only with a job
+            # Fields are serialized in number order, so an entry is its (dtype, shape) head, the same for
+            # many values, followed by its own fields.
+            tail = tensor_bundle_pb2.BundleEntryProto(
+                shard_id=self.shard, offset=self.offset, size=size,
+                crc32c=mask(crc if job is None else job.result()),  # type: ignore[arg-type]  # crc None only with a job
             )
-            self.items.append((name, entry.SerializeToString()))
+            self.items.append((name, _entry_head(enum, shape) + tail.SerializeToString()))
             self.offset += size
+            if self.small_bytes >= _GATHER_BYTES:
+                self._flush()
         self._flush()
 
     def _flush(self) -> None:
         if self.small:
-            self._write_all(memoryview(self.small))
-            self.small = bytearray()
+            self._write_all(self.small)
+            self.small, self.small_bytes = [], 0
 
-    def _write_all(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while view.nbytes:  # an unbuffered write may write less than asked
-            view = view[self.file.write(view):]
+    def _write_all(self, buffers: list) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        first = 0
+        while first < len(views):  # a write may write less than asked
+            done = _writev(self.file, views[first:first + _IOV_MAX])
+            while done and done >= views[first].nbytes:
+                done -= views[first].nbytes
+                first += 1
+            if done:
+                views[first] = views[first][done:]
 
     def close(self) -> None:
         if not self.file.closed:
             self.pool.shutdown()
             self.file.close()
+
+
+def _writev(file: Any, views: list[memoryview]) -> int:
+    """Bytes written of `views`, in order, by one system call where the platform has writev (no gathering copy)."""
+    return os.writev(file.fileno(), views) if hasattr(os, "writev") else file.write(views[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _entry_head(enum: int, shape: tuple[int, ...]) -> bytes:
+    """The serialized dtype and shape fields of a stored entry."""
+    entry = tensor_bundle_pb2.BundleEntryProto(dtype=enum, shape={"dim": [{"size": d} for d in shape]})  # type: ignore[arg-type]  # an int is a DataType
+    return entry.SerializeToString()
 
 
 def _write_index(temp_path: str, num_shards: int, items: list[tuple[bytes, bytes]]) -> None:

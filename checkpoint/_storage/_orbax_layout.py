@@ -49,6 +49,8 @@ class _Layout:
         self.small: list[tuple[dict, Any]] = []  # (entry, value) of each value to batch
         self.large: list[tuple[dict, Any]] = []  # (entry, value) of each value stored as its own array
         self.entries: dict[str, dict] = {}
+        # Asked once: with one process every value is on every host, and asking an array costs microseconds.
+        self.one_process = _distributed.process_count() == 1
 
     def add_array(self, key: str, value: Any, name: str | None = None, **extra: Any) -> dict:
         dtype = np.dtype(value.dtype)
@@ -57,14 +59,14 @@ class _Layout:
             raise TypeError(f"Cannot save {key!r}: dtype {dtype} is not supported by the orbax format.")
         entry = {"dtype": dtype_name, "shape": list(value.shape), **extra}
         nbytes = math.prod(value.shape) * dtype.itemsize
-        if self.batched and nbytes < BATCH_LIMIT and on_every_host(value):
+        if self.batched and nbytes < BATCH_LIMIT and (self.one_process or on_every_host(value)):
             self.small.append((entry, value))
         else:
             name = f"a{len(self.large)}" if self.batched else (name or key)
             if dtype_name in STORED_AS:  # a type tensorstore lacks: its values, widened losslessly
                 entry["stored_as"] = STORED_AS[dtype_name].name
                 value = value.astype(STORED_AS[dtype_name])
-            if isinstance(value, jax.Array) and value.is_fully_addressable and _distributed.process_count() > 1:
+            if not self.one_process and isinstance(value, jax.Array) and value.is_fully_addressable:
                 value = np.asarray(value)  # this host's own array: written by the primary host, as orbax does
             entry["array"] = name
             self.large.append((entry, value))
@@ -75,7 +77,7 @@ class _Layout:
         sizes = self._batches(tree)
         tree.update((entry["array"], value) for entry, value in self.large)
         for entry, value in self.large:
-            if on_every_host(value):
+            if self.one_process or on_every_host(value):
                 entry["crc32c"] = crc32c(np.asarray(jax.device_get(value)))
         sharded = [(entry, value, boxes) for entry, value in self.large if (boxes := _boxes(value)) is not None]
         _shard_checksums(sharded)

@@ -136,7 +136,9 @@ def read_table(data: bytes, name: str) -> list[tuple[bytes, bytes]]:
 def _shared(a: bytes, b: bytes) -> int:
     """The length of the prefix `a` and `b` share."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    # The highest set bit of the XOR of the two prefixes, read as big-endian integers, is the first differing byte.
+    diff = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    return n - (diff.bit_length() + 7) // 8
 
 
 def _separator(a: bytes, b: bytes) -> bytes:
@@ -164,7 +166,9 @@ def _finish_block(entries: list[tuple[bytes, bytes]], interval: int) -> bytearra
             restarts.append(len(out))
             prev = b""  # a restart point stores its key whole
         shared = _shared(prev, key)
-        out += varint(shared) + varint(len(key) - shared) + varint(len(value))
+        lengths = (shared, len(key) - shared, len(value))
+        # Lengths below 128 are one-byte varints: the bytes themselves (nearly every entry of an index)
+        out += bytes(lengths) if max(lengths) < 0x80 else b"".join(map(varint, lengths))
         out += key[shared:] + value
         prev = key
     restarts = restarts or [0]

@@ -153,8 +153,10 @@ def test_tf_format_reads_each_array_to_the_host_as_it_writes_it(tmp_path, stagin
     values = {KEY.format(i): _DeviceArray(np.full(N, float(i), np.float32), host) for i in range(6)}
     tensors = _bundle_writer.tf_tensors(values, b"graph")
     _bundle_writer.start_bundle(str(tmp_path / "ckpt"), tensors, staging)()
-    # Alive as a value is read: the staged copies and the value written just before it (bound until the next).
-    assert len(host["peaks"]) >= 6 and max(host["peaks"]) <= (staging or 0) + 4 * N
+    # Alive as a value is read: the staged copies, the small values gathered for one write (at most
+    # _GATHER_BYTES of them, 2 of these) and the value written just before it (bound until the next).
+    assert 4 * N < _bundle_writer._GATHER_BYTES < 6 * 4 * N
+    assert len(host["peaks"]) >= 6 and max(host["peaks"]) <= (staging or 0) + 4 * N + _bundle_writer._GATHER_BYTES
     reader = checkpoint.read_checkpoint(str(tmp_path / "ckpt"))
     for i in range(6):
         np.testing.assert_array_equal(reader.get(KEY.format(i)), np.full(N, float(i), np.float32))

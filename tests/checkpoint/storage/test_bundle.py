@@ -135,6 +135,33 @@ def test_writer_reproduces_the_checkpoint_tensorflow_verified_byte_for_byte(tmp_
             assert a.read() == b.read(), suffix
 
 
+@pytest.mark.parametrize("how", ["short writes", "no writev"])
+def test_writes_cut_short_or_without_writev_still_write_those_bytes(tmp_path, monkeypatch, how):
+    # A write may return having written part of what it was given (a signal arrived); the writer goes on from
+    # there, mid-buffer. Where the platform has no writev, values are written one by one.
+    from checkpoint._storage import _bundle_writer
+
+    calls = []
+    if how == "short writes":
+        def at_most_1000_bytes(file, views):  # across the boundaries of the values it was given
+            calls.append(len(views))
+            return file.write(b"".join(bytes(v) for v in views[:40])[:1000])
+
+        monkeypatch.setattr(_bundle_writer, "_writev", at_most_1000_bytes)
+    else:
+        monkeypatch.delattr(os, "writev")
+    src = _reader("ours_bundle")
+    tensors = {k: src.get(k) for k in src.keys()}
+    tensors[GRAPH_KEY] = src.get(GRAPH_KEY).item()
+    write_bundle(tmp_path / "ckpt-1", tensors)
+    for suffix in (".index", ".data-00000-of-00001"):
+        with open(os.path.join(DATA, PREFIXES["ours_bundle"]) + suffix, "rb") as a, open(
+            str(tmp_path / "ckpt-1") + suffix, "rb"
+        ) as b:
+            assert a.read() == b.read(), suffix
+    assert how == "no writev" or max(calls) > 1  # several values were handed to one call
+
+
 @pytest.mark.parametrize("ours", ["ours_bundle", "ours_checkpoint"])
 def test_tensorflows_resave_of_ours_matches_key_by_key(ours):
     a, b = _reader(ours), _reader(ours + "_tf_resaved")
