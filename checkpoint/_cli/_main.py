@@ -93,7 +93,7 @@ def _convert(args) -> int:
     out.check_copy(args.dst, back, keys, graph, "the source's",
                    ((key, tensors[key], value) for key, value in _read_all(back, keys, "verifying")))
     total = sum(out.nbytes(back, k) for k in keys)
-    print(f"wrote {args.dst} ({args.to}): {len(keys)} values, {out.human(total)}; verified by reading it back")
+    out.say(f"wrote {args.dst} ({args.to}): {len(keys)} values, {out.human(total)}; verified by reading it back")
     return 0
 
 
@@ -107,7 +107,7 @@ def _verify_safetensors(dst: str, names: dict[str, str], tensors: dict[str, np.n
             raise out.UsageError(f"verification failed: {name!r} in {dst!r} differs from the source's "
                                  f"{names[name]!r}")
     total = sum(out.nbytes(back, n) for n in names)
-    print(f"wrote {dst} (safetensors): {len(names)} values, {out.human(total)}; verified by reading it back")
+    out.say(f"wrote {dst} (safetensors): {len(names)} values, {out.human(total)}; verified by reading it back")
     return 0
 
 

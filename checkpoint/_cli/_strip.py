@@ -71,7 +71,10 @@ def strip_optimizer(args) -> int:
 
 
 def _format_of(reader) -> str:
-    fmt = {"BundleReader": "tf", "OrbaxReader": "orbax"}.get(type(reader).__name__)
+    from checkpoint._storage import _orbax  # imports orbax: not before a checkpoint is read
+
+    fmt = "tf" if isinstance(reader, _storage.BundleReader) else "orbax" if isinstance(reader, _orbax.OrbaxReader) \
+        else None
     if fmt is None:
         raise out.UsageError(f"{reader.path} ({reader.format_name}) has no object graph of its own, so which of "
                              "its values are optimizer state is not recorded; strip-optimizer reads TF object-based "
@@ -148,8 +151,8 @@ def _write(fmt: str, dst: str, reader, keys: list[str], graph: TrackableObjectGr
 def _write_orbax(temp: str, reader, keys: list[str], graph: TrackableObjectGraph):
     values: dict[str, Any] = {}
     for key in keys:
-        entry = reader._lookup(key)  # a Python value stays one (an int step, a str)
-        values[key] = entry["value"] if "python" in entry else reader.get(key)
+        python = reader.python_value(key)  # a Python value stays one (an int step, a str)
+        values[key] = python if python is not None else reader.get(key)
     out.write_orbax(temp, values, graph)
     return lambda: None
 

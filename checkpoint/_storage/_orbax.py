@@ -213,6 +213,11 @@ class OrbaxReader(KeyedReader):
     def format_name(self) -> str:
         return f"orbax {'object' if self.object_graph is not None else 'name'}-based checkpoint"
 
+    def python_value(self, key: str) -> bool | int | float | str | None:
+        """The Python value stored under `key` as itself (`get` gives it as an array), or None for an array."""
+        e = self._lookup(key)
+        return e["value"] if "python" in e else None
+
     def stored_together(self, keys: list[str]) -> list[list[str]]:
         """`keys` a batch to a group (one read loads, checks and keeps a batch whole), after those stored alone."""
         batch_of = {}

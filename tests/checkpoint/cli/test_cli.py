@@ -467,6 +467,16 @@ def test_control_characters_in_names_are_escaped_in_every_output_mode(run, monke
     assert code == 2 and err.count("\n") == 1 and "\x1b" not in err and r"missing\x1b]0;x\x07" in err
 
 
+@pytest.mark.parametrize("to", ["tf", "orbax", "safetensors"])
+def test_a_destination_path_with_control_characters_is_escaped_in_the_report(run, tmp_path, to):
+    flat, _ = _evil_checkpoints(tmp_path)
+    dst = str(tmp_path / ("out" + EVIL["osc"] + (".safetensors" if to == "safetensors" else "")))
+    code, out, err = run("convert", flat, dst, "--to", to)
+    assert (code, err) == (0, "")
+    _no_terminal_controls(out)
+    assert out.startswith(f"wrote {tmp_path}/out{ESCAPED['osc']}") and out.count("\n") == 1
+
+
 def test_json_output_escapes_every_control_character(run, tmp_path):
     flat, tree = _evil_checkpoints(tmp_path)
     for argv in (["inspect", flat], ["inspect", tree], ["diff", flat, tree]):

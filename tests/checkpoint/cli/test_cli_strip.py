@@ -165,8 +165,10 @@ def test_orbax_python_values_stay_python_values(run, tmp_path):
     dst = str(tmp_path / "b")
     assert run("strip-optimizer", src, dst)[0] == 0
     before, after = OrbaxReader(src), OrbaxReader(dst)
-    for key in ("step/.ATTRIBUTES/py_state", "name/.ATTRIBUTES/py_state"):
-        assert after._lookup(key) == before._lookup(key) and "python" in after._lookup(key)
+    for key, value in (("step/.ATTRIBUTES/py_state", 7), ("name/.ATTRIBUTES/py_state", "run-a")):
+        assert before.python_value(key) == after.python_value(key) == value
+        assert type(after.python_value(key)) is type(value)
+    assert after.python_value("model/kernel/.ATTRIBUTES/VARIABLE_VALUE") is None  # an array
 
 
 def test_orbax_written_tree_is_refused(run, tmp_path):
