@@ -104,15 +104,19 @@ def save_weights(
             group = f.create_group(f"{lay.group}/{_VARS}" if lay.group else _VARS)
             group.attrs["name"] = lay.name
             for i, value in enumerate(values):
-                ds = group.create_dataset(str(i), data=value, track_times=False)
-                if value.dtype.name == "bfloat16":  # stored as 2 opaque bytes; Keras reads it back by this mark
-                    ds.attrs["dtype"] = "bfloat16"
+                _dataset(group, str(i), value)
         if opt_values is not None:
             group = f.create_group(f"optimizer/{_VARS}")
             group.attrs["name"] = opt_values[0]
             for i, value in enumerate(opt_values[1]):
-                group.create_dataset(str(i), data=value, track_times=False)
+                _dataset(group, str(i), value)
     return path
+
+
+def _dataset(group: Any, name: str, value: np.ndarray) -> None:
+    ds = group.create_dataset(name, data=value, track_times=False)
+    if value.dtype.name == "bfloat16":  # stored as 2 opaque bytes; Keras reads any value back as bf16 by this mark
+        ds.attrs["dtype"] = "bfloat16"
 
 
 def _plan(weights: Mapping, layout: Sequence[LayerLayout], source: str) -> list[tuple[LayerLayout, list[np.ndarray]]]:

@@ -135,6 +135,38 @@ def test_int64_and_bfloat16_values(tmp_path):
         1.5, -2.0]
 
 
+def test_bfloat16_optimizer_slots_carry_kerass_mark_too(tmp_path):
+    # Keras marks every bf16 value it writes (its H5 store's one rule for layer and optimizer variables alike) and
+    # reads back as bf16 only what is marked: an unmarked slot would come back as opaque 2-byte records.
+    import ml_dtypes
+
+    from varstate.optimizers import keras as keras_opt
+
+    path = str(tmp_path / "bf16.weights.h5")
+    with h5py.File(path, "w") as f:
+        f.create_group("vars").attrs["name"] = "model"
+        g = f.create_group("layers/dense/vars")
+        g.attrs["name"] = "dense"
+        for i, v in enumerate([np.full((2, 3), 1.5), np.full(3, -2.0)]):
+            g.create_dataset(str(i), data=v.astype(ml_dtypes.bfloat16)).attrs["dtype"] = "bfloat16"
+    w = keras.load_weights(path)
+    opt = keras_opt.Adam(0.1)
+    grads = jax.tree.map(lambda v: jax.numpy.ones(v.shape, v.dtype), w,
+                         is_leaf=lambda x: isinstance(x, varstate.Variable))
+    w, state = opt.apply_gradients(grads, w, opt.init(w))
+    out = keras.save_weights(str(tmp_path / "out.weights.h5"), w, optimizer=opt, optimizer_state=state)
+    with h5py.File(out) as f:
+        marks = {k: (ds.dtype.kind, dict(ds.attrs)) for k, ds in f["optimizer/vars"].items()}
+    # the iteration (int64) and learning_rate (float32), then both moments of kernel and bias in bf16, each marked
+    assert marks == {"0": ("i", {}), "1": ("f", {}), **{str(i): ("V", {"dtype": "bfloat16"}) for i in range(2, 6)}}
+    _, back = keras.load_optimizer_state(out, keras_opt.Adam(0.1))
+    for name in ("momentum", "velocity"):
+        for leaf in ("kernel", "bias"):
+            got, want = back.slots[name]["dense"][leaf].value, state.slots[name]["dense"][leaf].value
+            assert got.dtype == jax.numpy.bfloat16
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 # --- errors when reading ---------------------------------------------------------------------
 def test_bad_paths():
     with pytest.raises(TypeError, match="Keras weights path must be a string, got int 3"):
