@@ -93,12 +93,18 @@ def test_each_load_gets_exact_names_in_a_new_registry_unless_one_is_given():
     assert (first["dense"]["kernel"].name, again["dense"]["kernel"].name) == ("dense/kernel", "dense/kernel_1")
 
 
+def _layer_group(f, group, name):
+    """A hand-made Keras 3 weights file's model entry and one layer's variables group, as Keras lays them out."""
+    f.create_group("vars").attrs["name"] = "model"
+    g = f.create_group(f"{group}/vars")
+    g.attrs["name"] = name
+    return g
+
+
 def test_weight_names_names_positional_weights(tmp_path):
     path = str(tmp_path / "custom.weights.h5")
     with h5py.File(path, "w") as f:
-        f.create_group("vars").attrs["name"] = "model"
-        g = f.create_group("layers/my_layer/vars")
-        g.attrs["name"] = "mine"
+        g = _layer_group(f, "layers/my_layer", "mine")
         g["0"] = np.ones((2, 2), np.float32)
         g["1"] = np.zeros(2, np.float32)
     assert list(keras.load_weights(path)["mine"]) == ["0", "1"]  # an unknown layer keeps positions
@@ -114,9 +120,7 @@ def test_int64_and_bfloat16_values(tmp_path):
 
     path = str(tmp_path / "t.weights.h5")
     with h5py.File(path, "w") as f:
-        f.create_group("vars").attrs["name"] = "model"
-        g = f.create_group("layers/normalization/vars")
-        g.attrs["name"] = "norm"
+        g = _layer_group(f, "layers/normalization", "norm")
         g["0"] = np.array([1.5], np.float32)
         g["1"] = np.array([2.5], np.float32)
         g["2"] = np.array(7, np.int64)
@@ -144,9 +148,7 @@ def test_bfloat16_optimizer_slots_carry_kerass_mark_too(tmp_path):
 
     path = str(tmp_path / "bf16.weights.h5")
     with h5py.File(path, "w") as f:
-        f.create_group("vars").attrs["name"] = "model"
-        g = f.create_group("layers/dense/vars")
-        g.attrs["name"] = "dense"
+        g = _layer_group(f, "layers/dense", "dense")
         for i, v in enumerate([np.full((2, 3), 1.5), np.full(3, -2.0)]):
             g.create_dataset(str(i), data=v.astype(ml_dtypes.bfloat16)).attrs["dtype"] = "bfloat16"
     w = keras.load_weights(path)
