@@ -94,6 +94,33 @@ def test_orbax_format_copies_within_the_bound_and_writes_before_returning_past_i
     mgr.close()
 
 
+def test_orbax_format_holds_its_batch_of_small_values_once(tmp_path, monkeypatch):
+    # orbax deep-copies every numpy array before an asynchronous save returns. A batch of small values is a copy
+    # made at the call already: its deep copy is itself, so the save holds those values once, not twice.
+    from checkpoint._storage import _orbax_layout
+
+    asked = []
+    deepcopy = _orbax_layout._Batch.__deepcopy__
+
+    def spy(self, memo=None):
+        out = deepcopy(self, memo)
+        asked.append((self.nbytes, out is self))
+        return out
+
+    monkeypatch.setattr(_orbax_layout._Batch, "__deepcopy__", spy)
+    gate = Gate(monkeypatch)
+    mgr = checkpoint.CheckpointManager(str(tmp_path), async_save=True)
+    roots = _roots()
+    path = mgr.save(1, m=roots)
+    _clobber(roots)  # the values at the call are in the batch
+    # one batch: the four values (400,000 bytes each, 64-byte aligned) and the step counter, padded to 64 bytes
+    assert asked == [(4 * 4 * N + 64, True)]
+    gate.open()
+    mgr.wait_until_finished()
+    _check(path)
+    mgr.close()
+
+
 def test_a_failed_background_save_is_raised_by_the_next_call_which_then_works(tmp_path, monkeypatch):
     mgr = checkpoint.CheckpointManager(str(tmp_path), async_save=True, format="tf", max_staging_bytes=1 << 20)
     move = _publish.move_into_place
