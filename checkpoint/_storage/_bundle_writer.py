@@ -21,7 +21,7 @@ import numpy as np
 from checkpoint import _dtypes, _keys
 from checkpoint._storage._bundle import VERSION, data_filename, slice_key
 from checkpoint._storage._crc import crc32c, mask
-from checkpoint._storage._files import replacing
+from checkpoint._storage._files import replacing, vectored
 from checkpoint._storage._host import libc_function
 from checkpoint._storage._table import read_table, varint, write_table
 from checkpoint.protos import tensor_bundle_pb2, types_pb2
@@ -30,7 +30,6 @@ __all__ = ["Sliced", "assembled", "start_bundle", "tf_tensors", "write_bundle", 
 
 _OVERLAP_BYTES = 1 << 20  # a value this large has its checksum computed beside its write
 _LITTLE = sys.byteorder == "little"
-_IOV_MAX = 1024  # buffers per writev call (POSIX's minimum for IOV_MAX; Linux's value)
 _GATHER_BYTES = 1 << 20  # small values written together: bounds the host copies of device arrays held at once
 
 
@@ -251,15 +250,7 @@ class _DataWriter:
             self.small, self.small_bytes = [], 0
 
     def _write_all(self, buffers: list) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
-        first = 0
-        while first < len(views):  # a write may write less than asked
-            done = _writev(self.file, views[first:first + _IOV_MAX])
-            while done and done >= views[first].nbytes:
-                done -= views[first].nbytes
-                first += 1
-            if done:
-                views[first] = views[first][done:]
+        vectored([memoryview(b).cast("B") for b in buffers], lambda views: _writev(self.file, views))
 
     def close(self) -> None:
         if not self.file.closed:

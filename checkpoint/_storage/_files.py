@@ -8,8 +8,9 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -106,25 +107,38 @@ def pread(fd: int, size: int, offset: int, where: str) -> bytes:
     return buf.tobytes()
 
 
-_IOV_MAX = 1024  # buffers one preadv takes (Linux's limit)
+_IOV_MAX = 1024  # buffers one vectored read or write takes (Linux's limit)
+
+
+def vectored(buffers: list[Any], call: Callable[[list[Any]], int]) -> None:
+    """Moves every byte of `buffers` (1-D uint8 arrays or byte memoryviews) with `call`, a vectored read or write
+    of up to 1,024 of them that returns the bytes it moved: a call can move fewer (e.g. over 2 GiB on Linux, or
+    when a signal arrives), even stopping inside a buffer, and the next goes on from there."""
+    pending = [b for b in buffers if b.nbytes]
+    first = 0
+    while first < len(pending):
+        n = call(pending[first:first + _IOV_MAX])
+        while n and first < len(pending):  # the buffers moved whole, and the rest of one moved in part
+            if n >= pending[first].nbytes:
+                n -= pending[first].nbytes
+                first += 1
+            else:
+                pending[first], n = pending[first][n:], 0
 
 
 def pread_into(fd: int, buf: np.ndarray | list[np.ndarray], offset: int, where: str) -> None:
     """Fills `buf`, a uint8 array or a list of them stored back to back, with the bytes of `fd` from `offset`
     (a list: each in its own buffer, with one system call per 1,024 of them)."""
-    pending = [b for b in ([buf] if isinstance(buf, np.ndarray) else buf) if b.size]
-    first = 0
-    while first < len(pending):  # a single read can return less (e.g. over 2 GiB on Linux)
-        n = os.preadv(fd, pending[first:first + _IOV_MAX], offset)  # type: ignore[arg-type]  # ndarray __buffer__: 3.12 stubs
+
+    def read(part: list[np.ndarray]) -> int:
+        nonlocal offset
+        n = os.preadv(fd, part, offset)  # type: ignore[arg-type]  # ndarray __buffer__: 3.12 stubs
         if n <= 0:
             raise CheckpointFormatError(f"{where}: the file shrank while reading at offset {offset}")
         offset += n
-        while n and first < len(pending):  # the buffers filled, and the rest of one filled in part
-            if n >= pending[first].size:
-                n -= pending[first].size
-                first += 1
-            else:
-                pending[first], n = pending[first][n:], 0
+        return n
+
+    vectored([buf] if isinstance(buf, np.ndarray) else buf, read)
 
 
 def inside(directory: str, path: str, where: str) -> str:
