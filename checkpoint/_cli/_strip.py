@@ -73,13 +73,13 @@ def strip_optimizer(args) -> int:
 def _format_of(reader) -> str:
     from checkpoint._storage import _orbax  # imports orbax: not before a checkpoint is read
 
-    fmt = "tf" if isinstance(reader, _storage.BundleReader) else "orbax" if isinstance(reader, _orbax.OrbaxReader) \
-        else None
-    if fmt is None:
-        raise out.UsageError(f"{reader.path} ({reader.format_name}) has no object graph of its own, so which of "
-                             "its values are optimizer state is not recorded; strip-optimizer reads TF object-based "
-                             "checkpoints and this library's orbax format")
-    return fmt
+    if isinstance(reader, _storage.BundleReader):
+        return "tf"
+    if isinstance(reader, _orbax.OrbaxReader):
+        return "orbax"
+    raise out.UsageError(f"{reader.path} ({reader.format_name}) has no object graph of its own, so which of "
+                         "its values are optimizer state is not recorded; strip-optimizer reads TF object-based "
+                         "checkpoints and this library's orbax format")
 
 
 def _attribute_keys(graph: TrackableObjectGraph) -> set[str]:
