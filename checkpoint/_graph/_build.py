@@ -23,7 +23,6 @@ from checkpoint._graph._walk import (
     key_impl,
     kind,
     linked_slots,
-    node_variables,
     unwrap,
     variable_of,
 )
@@ -64,22 +63,29 @@ def build(roots: dict[str, Any]) -> Graph:
     in_optimizer = [False]  # node id -> reached through an optimizer state (its non-slots, plain slots)
     node_of: dict[Any, int] = {}
     saveables: list[Saveable] = []
+    valued: set[int] = set()  # the nodes given a value
+    edges: dict[int, list[int]] = {}  # node id -> the nodes it leads to (children, slots), for `_mark_values`
 
     def add_value(node_id: int, attribute: str, obj: Any, full_name: str) -> None:
         key = _keys.attribute_key(paths[node_id], attribute)
         nodes[node_id].attributes.add(name=attribute, full_name=full_name, checkpoint_key=key)
         saveables.append(Saveable(key, obj, attribute))
+        valued.add(node_id)
 
+    variables: list[Variable | None] = [None]  # node id -> the Variable of a node walked as one
+    primary_node: dict[int, int] = {}  # resource id -> the node of its Variable (or PartitionedVariable)
     queue = collections.deque([(0, [(name, unwrap(roots[name])) for name in roots])])
     while queue:
         parent, kids = queue.popleft()
         parent_node, parent_path, parent_label = nodes[parent], paths[parent], labels[parent]
         under_optimizer = kinds[parent] == Kind.OPTIMIZER or in_optimizer[parent]
+        targets = edges[parent] = []
         for name, child in kids:
             k = kind(child)
+            var = variable_of(child) if k == Kind.VARIABLE else None
             if k == Kind.NONE or (k == Kind.CONTAINER and not jax.tree.leaves(child) and not has_python(child)):
                 continue
-            ident = identity(child, k)
+            ident = ("v", var.resource_id) if var is not None else identity(child, k)
             node_id = node_of.get(ident) if ident is not None else None
             if node_id is None:
                 node_id = len(nodes)
@@ -87,17 +93,22 @@ def build(roots: dict[str, Any]) -> Graph:
                 paths.append(_keys.child_path(parent_path, name))
                 labels.append(f"{parent_label}.{name}")
                 objects.append(child)
+                variables.append(var)
                 kinds.append(k)
                 in_optimizer.append(under_optimizer)
                 if ident is not None:
                     node_of[ident] = node_id
-                if k == Kind.CONTAINER or k == Kind.OPTIMIZER:
+                if var is not None:
+                    primary_node[var.resource_id] = node_id
+                elif k == Kind.PARTITIONED:
+                    primary_node.update((v.resource_id, node_id) for v in child)
+                elif k == Kind.CONTAINER or k == Kind.OPTIMIZER:
                     queue.append((node_id, children(child, labels[node_id])))
             parent_node.children.add(node_id=node_id, local_name=name)
+            targets.append(node_id)
     for node_id in range(1, len(objects)):
-        k, obj, path = kinds[node_id], objects[node_id], paths[node_id]
+        k, obj, path, var = kinds[node_id], objects[node_id], paths[node_id], variables[node_id]
         if k in VALUES:
-            var = variable_of(obj) if k == Kind.VARIABLE else None
             full_name = var.name if var is not None else obj.name if k == Kind.PARTITIONED else path
             add_value(node_id, _keys.PY_STATE if k == Kind.PYTHON else _keys.VARIABLE_VALUE, obj, full_name)
             value = var.value if var is not None else obj
@@ -106,8 +117,6 @@ def build(roots: dict[str, Any]) -> Graph:
     # Slots: found through their primary's resource id among all nodes, as TF
     # asks each optimizer for the slot of every variable in the graph (a slot
     # whose primary is not saved is skipped).
-    primary_node = {v.resource_id: node_id for node_id, (k, obj) in enumerate(zip(kinds, objects, strict=True))
-                    if k in (Kind.VARIABLE, Kind.PARTITIONED) for v in node_variables(obj)}
     weights = next((labels[i] for i, (k, obj) in enumerate(zip(kinds, objects, strict=True))
                     if not in_optimizer[i] and _is_weight(k, obj)), None)
     def plain() -> bool:  # no Variable and no nnx Module saved outside the optimizers
@@ -115,10 +124,11 @@ def build(roots: dict[str, Any]) -> Graph:
                        for k, o, opt in zip(kinds, objects, in_optimizer, strict=True))
 
     for opt_id in [i for i, k in enumerate(kinds) if k == Kind.OPTIMIZER]:
-        if weights is not None:
+        linked = linked_slots(objects[opt_id])
+        if weights is not None and not any(rid in primary_node for (rid, _), _ in linked):
             _check_primaries_saved(objects[opt_id], labels[opt_id], primary_node, weights, plain=plain)
         grouped: dict[tuple[int, str], list[Variable]] = {}
-        for (rid, slot_name), slot in linked_slots(objects[opt_id]):
+        for (rid, slot_name), slot in linked:
             if rid in primary_node:
                 grouped.setdefault((primary_node[rid], slot_name), []).append(slot)
         for (primary, slot_name), shards in sorted(grouped.items()):
@@ -138,7 +148,8 @@ def build(roots: dict[str, Any]) -> Graph:
                           full_name)
             nodes[opt_id].slot_variables.add(original_variable_node_id=primary, slot_name=slot_name,
                                              slot_variable_node_id=existing)
-    _mark_values(nodes)
+            edges.setdefault(opt_id, []).append(existing)
+    _mark_values(nodes, valued, edges)
     return Graph(proto, saveables, paths, objects)
 
 
@@ -186,16 +197,20 @@ def _check_primaries_saved(state: Any, where: str, primary_node: dict[int, int],
     )
 
 
-def _mark_values(nodes: list[Any]) -> None:
-    """Sets TF's `has_checkpoint_values`: the node, a dependency or one of its slots holds a value."""
-    has = [bool(n.attributes) for n in nodes]
-    # Only nodes with edges can change: a graph of 2,000 values has a few dozen of them.
-    edges = [(i, [r.node_id for r in n.children] + [r.slot_variable_node_id for r in n.slot_variables])
-             for i, n in enumerate(nodes) if not has[i]]
+def _mark_values(nodes: list[Any], valued: set[int], edges: dict[int, list[int]]) -> None:
+    """Sets TF's `has_checkpoint_values`: the node, a dependency or one of its slots holds a value.
+
+    `valued`: the nodes holding a value; `edges`: each node's children and slots. Only nodes with edges can
+    change, and a graph of 2,000 values has a few dozen of them.
+    """
+    has = [False] * len(nodes)
+    for i in valued:
+        has[i] = True
+    pending = [(i, targets) for i, targets in edges.items() if not has[i]]
     changed = True
     while changed:
         changed = False
-        for i, targets in edges:
+        for i, targets in pending:
             if not has[i] and any(has[j] for j in targets):
                 has[i] = changed = True
     for node, value in zip(nodes, has, strict=True):
