@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from varstate._jax_compat import is_deleted_array
 from varstate._values import _is_var
-from varstate._variable import Variable, version
+from varstate._variable import Variable, donated_error, version
 
 
 class PackLayout:
@@ -94,6 +95,10 @@ class Packed:
         values: list[Any] = [None] * len(layout.places)
         for g, members in enumerate(layout.starts):
             buffer = self.buffers[g]
+            if is_deleted_array(buffer):  # a step donated it: name what it held, not JAX's anonymous error
+                names = [h.name for h in (layout.handles[i] for i, _, _ in members) if h is not None]
+                raise donated_error(f"Packed buffer {g} (of {', '.join(map(repr, names[:3]))}"
+                                    f"{f' and {len(names) - 3} more' if len(names) > 3 else ''})")
             shapes = [layout.places[i][2] for i, _, _ in members]
             if len(members) == 1:
                 parts = [buffer.reshape(shapes[0])]

@@ -199,3 +199,14 @@ def test_errors_say_what_and_the_fix():
     with pytest.raises(ValueError, match=r"Packed.repacked: Variable 'wrong' must have shape \(2, 3\), as packed"):
         packed.repacked({k: (Variable(jnp.ones(3), name="wrong") if k == "e0" else v)
                          for k, v in packed.unpack().items()})
+
+
+def test_a_donated_packed_names_its_variables_when_read():
+    packed = varstate.pack(_model("d", n=2))
+    opt = Adam(0.1)
+    grads = jax.tree.map(jnp.ones_like, packed)
+    new, _ = opt.apply_gradients(grads, packed, opt.init(packed))
+    with pytest.raises(varstate.DonatedVariableError, match=r"Packed buffer 0 \(of 'd_bias', 'd0', 'd1'\): this "
+                                                            r"version's buffer was donated to a jitted step"):
+        packed.unpack()
+    assert sorted(new.unpack()) == ["bias", "d0", "d1"]  # the step's result is the one to use

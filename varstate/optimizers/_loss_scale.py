@@ -184,6 +184,18 @@ class LossScaleOptimizer(Optimizer):
             non_slots[_GOOD] = int64_counter(_GOOD, registry, placement)  # Keras: int64
         return state.replace(non_slots=non_slots)
 
+    def with_hyperparameters(self, state: OptimizerState, **values: Any) -> OptimizerState:
+        """`state` with new values of the inner optimizer's traced hyperparameters (loss scaling has none).
+
+        >>> import jax.numpy as jnp
+        >>> from varstate.optimizers import Adam, LossScaleOptimizer, traced
+        >>> opt = LossScaleOptimizer(Adam(traced(0.1)))
+        >>> state = opt.with_hyperparameters(opt.init([jnp.zeros(2)]), learning_rate=0.5)
+        >>> float(state.hyperparameters["learning_rate"])
+        0.5
+        """
+        return self.inner_optimizer.with_hyperparameters(state, **values)
+
     def _initial_arrays(self, leaves: list, initial: Callable[..., Any]) -> tuple[dict[str, list], dict[str, Any]]:
         # `to_optax`'s traceable init: the inner optimizer's (by `initial`), then the scale and the counter.
         slots, non_slots = initial(self.inner_optimizer, leaves)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from varstate._jax_compat import Tracer
 from varstate.optimizers._core._rows import Array, as_dtype, divide, update_rows
 from varstate.optimizers._core._traced import varies
 
@@ -53,6 +54,8 @@ def _float_options(opt: Any, *names: str) -> None:
 def _check(opt: Any, name: str, ok: bool, rule: str) -> None:
     """ValueError naming the option, the rule it breaks and its value (TF raises ValueError or, in a kernel,
     InvalidArgumentError, whose Python counterpart is ValueError)."""
+    if isinstance(ok, Tracer):  # a value optax.inject_hyperparams injects: known only inside its jitted step
+        return
     if not ok:
         raise ValueError(f"{type(opt).__name__}: {name} must be {rule}, got {getattr(opt, name)!r}.")
 

@@ -103,3 +103,25 @@ def test_missing_or_unexpected_extra_args_are_optax_errors():
     gd = GradientDescent(0.1)
     with pytest.raises(TypeError, match="unexpected keyword argument 'value'"):
         gd.update([jnp.ones(2)], p, gd.init(p), value=1.0)
+
+
+def test_apply_gradients_passes_a_function_argument_as_part_of_the_steps_key():
+    # lbfgs's value_fn cannot be an array argument of the compiled step: it is a static one, as with jax.jit.
+    target = jnp.array([1.0, -2.0])
+
+    def f(p):
+        return jnp.sum((p["w"] - target) ** 2 * jnp.array([1.0, 10.0]))
+
+    opt = from_optax(optax.lbfgs())
+    params = {"w": varstate.Variable(jnp.zeros(2), name="w")}
+    state = opt.init(params)
+    ref_tx = optax.lbfgs()
+    ref = {"w": jnp.zeros(2)}
+    ref_state = ref_tx.init(ref)
+    for _ in range(4):
+        value, grad = jax.value_and_grad(f)(varstate.values(params))
+        params, state = opt.apply_gradients(grad, params, state, value=value, grad=grad, value_fn=f)
+        value, grad = jax.value_and_grad(f)(ref)
+        updates, ref_state = ref_tx.update(grad, ref_state, ref, value=value, grad=grad, value_fn=f)
+        ref = optax.apply_updates(ref, updates)
+        np.testing.assert_array_equal(params["w"].value, ref["w"])

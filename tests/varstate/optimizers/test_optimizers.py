@@ -400,6 +400,11 @@ def test_grads_with_another_structure_name_the_first_difference():
         opt.apply_gradients({"b": jnp.ones(2), "c": jnp.ones((3, 2))}, params, state)
     with pytest.raises(ValueError, match=r"first difference: params\['w'\] has no matching gradient" + fix):
         opt.apply_gradients({"b": jnp.ones(2)}, params, state)
+    # A missing entry before the end: named as missing, not as a mismatched pair of the entries after it.
+    with pytest.raises(ValueError, match=r"first difference: params\['b'\] has no matching gradient" + fix):
+        opt.apply_gradients({"w": jnp.ones((3, 2))}, params, state)
+    with pytest.raises(ValueError, match=r"first difference: grads\['a'\] has no matching param" + fix):
+        opt.apply_gradients({"a": jnp.ones(2), "b": jnp.ones(2), "w": jnp.ones((3, 2))}, params, state)
     # Same key paths, other containers: the first one whose type differs is named.
     with pytest.raises(ValueError, match=r"first difference: grads is a list where params is a tuple" + fix):
         opt.apply_gradients([jnp.ones((3, 2)), jnp.ones(2)], (params["w"], params["b"]), opt.init((params["w"],

@@ -351,6 +351,7 @@ class _TracedKerasAdam(varstate.optimizers.keras.Adam):
     # Stands for a constructor that keeps a traced learning rate (as inject_hyperparams under jit passes one):
     # Keras's learning rate is also a non-slot's initial value, which an init under a trace cannot make a Variable.
     _hyper_names = ()
+    _injectable = ("learning_rate",)
 
     def hyperparameters(self, step=None):
         return {"learning_rate": self.learning_rate}
@@ -367,3 +368,31 @@ def test_init_of_an_optimizer_built_with_a_traced_hyperparameter(params_traced):
     ref = varstate.optimizers.keras.Adam(0.25).to_optax().init(params)
     jax.tree.map(np.testing.assert_array_equal, state, ref)
     assert state.non_slots["learning_rate"].dtype == jnp.float32 and float(state.non_slots["learning_rate"]) == 0.25
+
+
+def test_inject_hyperparams_over_every_optimizers_learning_rate_and_a_clear_refusal_for_constants():
+    # FTRL and ProximalAdagrad check learning_rate > 0 in their constructors: a value injected under jit is known
+    # only inside the step, so the check is left to the step's value (as TF checks it in its kernel).
+    from varstate.optimizers import Ftrl, ProximalAdagrad
+
+    params, grads = {"a": jnp.array([1.0, -2.0])}, {"a": jnp.array([0.5, 1.5])}
+    def injected(cls):  # inject_hyperparams reads the factory's signature: learning_rate alone
+        return optax.inject_hyperparams(lambda learning_rate: cls(learning_rate).to_optax())(learning_rate=0.1)
+
+    for cls in (Ftrl, ProximalAdagrad):
+        tx = injected(cls)
+        updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
+        static = cls(0.1)
+        want = static.update(grads, params, static.init(params))[0]["a"]
+        np.testing.assert_allclose(params["a"] + updates["a"], want, rtol=2e-7)
+    tx = optax.inject_hyperparams(lambda l1: Ftrl(0.1, l1_regularization_strength=l1).to_optax())(l1=0.5)
+    with pytest.raises(TypeError, match=r"Ftrl: l1_regularization_strength cannot be injected by "
+                                        r"optax.inject_hyperparams \(it came as a traced array\): the step takes it "
+                                        r"as a constant .* optax can inject learning_rate; to sweep "
+                                        r"l1_regularization_strength, declare it Ftrl\(l1_regularization_strength="
+                                        r"varstate.optimizers.traced\(...\)\)"):
+        jax.jit(tx.init)(params)
+    keras_adam = varstate.optimizers.keras.Adam
+    tx = optax.inject_hyperparams(lambda beta_1: keras_adam(0.1, beta_1=beta_1).to_optax())(beta_1=0.9)
+    with pytest.raises(TypeError, match=r"Adam: beta_1 cannot be injected by optax.inject_hyperparams"):
+        jax.jit(tx.init)(params)

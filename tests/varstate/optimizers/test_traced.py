@@ -308,3 +308,62 @@ def test_a_fused_state_carries_its_traced_values_through_the_step():
     for unfused, fused in zip(*results, strict=True):  # the closed form: 1 - 0.25 * (1 + 1.5)
         np.testing.assert_array_max_ulp(np.asarray(fused), np.asarray(unfused), maxulp=1)
     np.testing.assert_allclose(np.asarray(results[0][0]), 1 - 0.25 * 2.5)
+
+
+def test_setting_tf_adams_betas_on_a_fresh_state_restarts_the_powers_as_a_run_made_with_them():
+    # TF's Adam starts beta1_power at beta1: a state that has not stepped takes the new beta as its power too,
+    # so the run is the static one made with it, bit for bit, alone and per run of a vmapped sweep.
+    p, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, 3.0])}
+    opt = Adam(traced(0.1), beta1=traced(0.9), beta2=traced(0.999))
+    for b1, b2 in [(0.5, 0.99), (0.8, 0.95)]:
+        static = Adam(0.1, beta1=b1, beta2=b2)
+        want_p, want_s = static.update(g, p, static.init(p))
+        want_p, want_s = static.update(g, want_p, want_s)
+        for state in (opt.init(p).with_hyperparameters(beta1=b1, beta2=b2),
+                      opt.with_hyperparameters(opt.init(p), beta1=b1, beta2=b2)):
+            assert float(state.non_slot("beta1_power").value) == np.float32(b1)
+            got_p, got_s = opt.update(g, p, state)
+            got_p, got_s = opt.update(g, got_p, got_s)
+            np.testing.assert_array_equal(got_p["w"], want_p["w"])
+            for name in ("beta1_power", "beta2_power"):
+                np.testing.assert_array_equal(got_s.non_slot(name).value, want_s.non_slot(name).value)
+    betas = jnp.array([0.5, 0.9])
+    runs = jax.tree.map(lambda a: jnp.broadcast_to(a, (2, *jnp.shape(a))), (p, opt.init(p)))
+    stacked = runs[1].with_hyperparameters(beta1=betas)
+    np.testing.assert_array_equal(stacked.non_slot("beta1_power").value, np.float32([0.5, 0.9]))
+    out = jax.vmap(lambda p_, s_: opt.update(g, p_, s_))(runs[0], stacked)[0]["w"]
+    for i, b1 in enumerate([0.5, 0.9]):
+        static = Adam(0.1, beta1=b1, beta2=0.999)
+        np.testing.assert_allclose(out[i], static.update(g, p, static.init(p))[0]["w"], rtol=3e-7)
+    # After a step the power is the product of the betas used, as in TF when a fed beta changes.
+    _, stepped = opt.update(g, p, opt.init(p))
+    moved = stepped.with_hyperparameters(beta1=0.5)
+    assert moved.non_slot("beta1_power").value == stepped.non_slot("beta1_power").value == np.float32(0.9) ** 2
+
+
+def test_a_value_set_has_the_shape_it_replaces_and_passes_the_constructors_checks():
+    from varstate.optimizers import Ftrl, LossScaleOptimizer
+
+    opt = Adam(traced(0.01))
+    state = opt.init([jnp.zeros(2)])
+    with pytest.raises(ValueError, match=r"OptimizerState.with_hyperparameters: learning_rate has shape \(2,\), but "
+                                         r"the state holds it with shape \(\) \(one value\). Give a scalar; to run "
+                                         r"several values at once, stack the state"):
+        state.with_hyperparameters(learning_rate=jnp.array([0.1, 0.2]))
+    stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (3, *jnp.shape(a))), state)
+    np.testing.assert_array_equal(stacked.with_hyperparameters(learning_rate=0.5).hyperparameters["learning_rate"],
+                                  np.float32([0.5] * 3))
+    with pytest.raises(ValueError, match=r"learning_rate has shape \(2,\), but the state holds it with shape \(3,\) "
+                                         r"\(one value per run of a stacked state\). Give a scalar or an array of "
+                                         r"shape \(3,\)"):
+        stacked.with_hyperparameters(learning_rate=jnp.array([0.1, 0.2]))
+    ftrl = Ftrl(traced(0.1))
+    with pytest.raises(ValueError, match=r"Ftrl: learning_rate must be positive, got traced\(-0.1\)"):
+        ftrl.with_hyperparameters(ftrl.init([jnp.zeros(2)]), learning_rate=-0.1)
+    scaled = LossScaleOptimizer(Adam(traced(0.1)))  # the inner optimizer's values, through the wrapper
+    new = scaled.with_hyperparameters(scaled.init([jnp.zeros(2)]), learning_rate=0.5)
+    assert float(new.hyperparameters["learning_rate"]) == 0.5
+    with pytest.raises(TypeError, match=r"the state holds no value of 'momentum' \(it holds \['learning_rate'\]\). "
+                                        r"Declare the hyperparameter traced when making the optimizer "
+                                        r"\(momentum=varstate.optimizers.traced\(value\)"):
+        state.with_hyperparameters(momentum=0.5)

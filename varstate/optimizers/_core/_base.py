@@ -33,7 +33,7 @@ from varstate.optimizers._core._matching import (
     owner_positions,
     with_value,
 )
-from varstate.optimizers._core._messages import check_arguments, checked_new, guarded_update
+from varstate.optimizers._core._messages import check_arguments, checked_new, guarded_update, injected
 from varstate.optimizers._core._rows import _dedupe
 from varstate.optimizers._core._slots import (
     Existing,
@@ -114,6 +114,9 @@ class Optimizer:
     _dedup: ClassVar[bool] = True
     _hyper_names: ClassVar[tuple[str, ...]] = ()
     _step_floats: ClassVar[tuple[str, ...]] = ()  # float options the step reads besides _hyper_names (traceable)
+    # Options besides _hyper_names that may be traced arrays (optax.inject_hyperparams builds the optimizer in its
+    # jitted init/update with such values); any other option is a constant of the compiled step.
+    _injectable: ClassVar[tuple[str, ...]] = ()
     _elementwise: ClassVar[bool] = True  # each element's update reads only that element: packed params may be stepped
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
@@ -129,6 +132,8 @@ class Optimizer:
     def __post_init__(self) -> None:
         traceable = self._traceable()
         for f in dataclasses.fields(self):
+            if isinstance(getattr(self, f.name), Tracer) and f.name not in (*self._hyper_names, *self._injectable):
+                raise TypeError(injected(type(self).__name__, f.name, self._hyper_names))
             if isinstance(getattr(self, f.name), _traced.Traced) and f.name not in traceable:
                 raise TypeError(
                     f"{type(self).__name__}: {f.name} cannot be traced: only a float the step reads can "
@@ -569,6 +574,9 @@ class Optimizer:
             TypeError: a name that is not a traced hyperparameter of this
                 optimizer (the message says how to declare it), or a value
                 that is not a real number.
+            ValueError: a number the constructor refuses (Ftrl's
+                ``learning_rate`` must be positive), or a value shaped
+                unlike the one it replaces.
 
         >>> import jax.numpy as jnp
         >>> from varstate.optimizers import Adam, traced
@@ -592,6 +600,10 @@ class Optimizer:
                 f"{cls}.with_hyperparameters: {cls} has no hyperparameter {name!r}; those that can be traced are "
                 f"{list(self._traceable())}."
             )
+        numbers = {n: _traced.traced(float(v)) for n, v in values.items()
+                   if n in traced and isinstance(v, int | float | np.floating | np.integer) and not isinstance(v, bool)}
+        if numbers:  # the constructor's range checks (Ftrl's learning_rate > 0...), on a copy holding the new values
+            dataclasses.replace(self, **numbers)
         added = {n: _traced.entry(values[n], f"{cls}.with_hyperparameters({n}=...)")
                  for n in traced if n in values and n not in state._traced}
         if added:

@@ -72,6 +72,12 @@ def first_difference(a: Any, b: Any, names: tuple[str, str] = ("grads", "params"
     a_flat, b_flat = flat(a), flat(b)
     for (at, _), (bt, _) in zip(a_flat, b_flat, strict=False):
         if at != bt:
+            # One tree lacking an entry the other has (a missing gradient) shifts every later pair: say which.
+            in_a, in_b = bt in {p for p, _ in a_flat}, at in {p for p, _ in b_flat}
+            if in_b and not in_a:
+                return f"{names[1]}{bt or '<root>'} has no matching {items[1]}"
+            if in_a and not in_b:
+                return f"{names[0]}{at or '<root>'} has no matching {items[0]}"
             return f"{names[0]}{at or '<root>'} vs {names[1]}{bt or '<root>'}"
     if len(a_flat) != len(b_flat):
         (longer, name, item), n = ((a_flat, names[0], items[0]) if len(a_flat) > len(b_flat) else

@@ -183,3 +183,15 @@ def check_arguments(opt: Any, verb: str, params: Any, grads: Any = None, state: 
             f"{name}.{verb}: {role} is {nnx_kind}; varstate's optimizers take pytrees of varstate Variables or arrays, "
             f"not nnx objects. {fix}."
         )
+
+
+def injected(cls: str, name: str, injectable: tuple[str, ...]) -> str:
+    """The message for an option given a traced array (optax.inject_hyperparams injects its values so)."""
+    return (
+        f"{cls}: {name} cannot be injected by optax.inject_hyperparams (it came as a traced array): the step "
+        "takes it as a constant (to pick a code path, or for arithmetic done once on the host, as Keras does). "
+        "optax can inject "
+        f"{', '.join(injectable)}; to sweep {name}, declare it {cls}({name}=varstate.optimizers.traced(...)) and "
+        "step with apply_gradients or update (see the sweeps guide)."
+    )
+

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from varstate._autocast import AutoCastVariable, flatten_autocast, unflatten_autocast
 from varstate._jax_compat import ArrayImpl, container_registry
@@ -158,8 +159,18 @@ class OptimizerState:
         for name, value in values.items():
             where = f"OptimizerState.with_hyperparameters({name}=...)"
             if name in traced:
-                new, one_minus = _traced.entry(value, where)
-                traced[name] = (_placed_as(new, traced[name][0]), _placed_as(one_minus, traced[name][1]))
+                old = traced[name][0]
+                new, one_minus = (_shaped_as(x, old, name) for x in _traced.entry(value, where))
+                traced[name] = (_placed_as(new, old), _placed_as(one_minus, traced[name][1]))
+                power = non_slots.get(f"{name}_power")
+                if isinstance(power, Variable):
+                    # TF's Adam starts beta1_power at beta1 and multiplies it by beta1 each step. Where it still
+                    # holds the beta it started at (no step yet), it starts at the new one: the run is then the
+                    # run made with that beta. After a step it keeps the product of the betas used, as in TF
+                    # when a fed beta changes.
+                    fresh = power.value == old
+                    non_slots[name + "_power"] = power._with_value(
+                        _placed_as(jnp.where(fresh, new, power.value), power.value))
             elif name == "learning_rate" and isinstance(non_slots.get(name), Variable):
                 old = non_slots[name]
                 non_slots[name] = old._with_value(_placed_as(_traced.entry(value, where)[0], old.value))
@@ -167,8 +178,9 @@ class OptimizerState:
                 raise TypeError(
                     f"OptimizerState.with_hyperparameters: the state holds no value of {name!r} (it holds "
                     f"{sorted(self.hyperparameters)}). Declare the hyperparameter traced when making the "
-                    f"optimizer, e.g. Adam({name}=varstate.optimizers.traced(0.001)), and make the state with "
-                    "its init (or opt.with_hyperparameters(state, ...), which adds it)."
+                    f"optimizer ({name}=varstate.optimizers.traced(value), a float the step reads; a schedule "
+                    "needs none), and make the state with its init (or opt.with_hyperparameters(state, ...), "
+                    "which adds it)."
                 )
         return OptimizerState(self._stored, non_slots, self.packed, traced)
 
@@ -300,6 +312,21 @@ class OptimizerState:
             raise KeyError(
                 f"OptimizerState has no non-slot variable {name!r}; it has {sorted(self.non_slots)}."
             ) from None
+
+
+def _shaped_as(new: Any, old: Any, name: str) -> Any:
+    """A hyperparameter's new value in the shape of the one it replaces: a scalar is every run's value in a stacked
+    state; another shape is refused (a vector given to one run would become a value per element)."""
+    if new.shape == old.shape:
+        return new
+    if new.shape == ():
+        return jnp.broadcast_to(new, old.shape)
+    raise ValueError(
+        f"OptimizerState.with_hyperparameters: {name} has shape {tuple(new.shape)}, but the state holds it with "
+        f"shape {tuple(old.shape)} ({'one value per run of a stacked state' if old.shape else 'one value'}). Give a "
+        f"scalar{f' or an array of shape {tuple(old.shape)}' if old.shape else ''}; to run several values at "
+        "once, stack the state (a run axis on every leaf) and vmap the step."
+    )
 
 
 def _placed_as(new: Any, old: Any) -> Any:

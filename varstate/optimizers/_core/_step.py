@@ -78,6 +78,19 @@ from varstate.optimizers._core._state import CONTAINERS, LeafLayout, OptimizerSt
 _flatten = jax.tree_util.tree_flatten
 
 
+class _Fixed:
+    """A keyword argument of `update` that is no array (lbfgs's ``value_fn``): part of the compiled step's key,
+    as a static argument of jit is, held in the treedef (a pytree node with no children)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Fixed, lambda f: ((), f.value), lambda value, _: _Fixed(value))
+
+
 class _Static:
     """A static argument of the flat jit (the step's key, its placement): a long tuple, hashed once.
 
@@ -260,7 +273,7 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
     opt = opt._compile_key()
     use_global = global_step is not None and (
         step is None or (isinstance(step, Variable) and step._handle is global_step._handle))
-    other = (None if use_global else step, extra or {})
+    other = (None if use_global else step, {k: _Fixed(v) if callable(v) else v for k, v in (extra or {}).items()})
     g_leaves, g_def = _flatten(grads)
     o_leaves, o_def = _flatten(other)
     key = (opt, g_def, o_def, use_global)
@@ -325,6 +338,7 @@ def _flat_step(key: _Static, ps_leaves: list, g_leaves: list, o_leaves: list) ->
     grads = g_def.unflatten(g_leaves)
     params, state, global_step = ps_def.unflatten(ps_leaves)
     step, extra = o_def.unflatten(o_leaves)
+    extra = {k: v.value if isinstance(v, _Fixed) else v for k, v in extra.items()}
     new = fused_update(opt.update, grads, _tie(params), _tie(state), global_step if use_global else step, extra)
     _check_layout(opt, (params, state), new)
     new_params, new_state = _pinned(params, state, *new, placement and placement.value)

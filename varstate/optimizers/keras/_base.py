@@ -101,6 +101,7 @@ class KerasOptimizer(Optimizer):
     _dedup: ClassVar[bool] = False
     _hyper_names: ClassVar[tuple[str, ...]] = ("learning_rate",)
     _floats: ClassVar[tuple[str, ...]] = ()  # hyperparameters Keras holds as Python floats
+    _injectable: ClassVar[tuple[str, ...]] = ("weight_decay",)  # a traced array: used as a float32 value
 
     def __post_init__(self) -> None:
         super().__post_init__()
