@@ -74,7 +74,9 @@ def _open(path: str) -> Any:
 
 
 def _convert(args) -> int:
-    if os.path.exists(args.dst) or os.path.exists(args.dst + ".index"):
+    if args.to == "safetensors":
+        safetensors.check_destination(args.dst)
+    elif os.path.exists(args.dst) or os.path.exists(args.dst + ".index"):
         raise out.UsageError(f"destination {args.dst!r} already exists; remove it or choose another path")
     if args.max_shard_size is not None and args.to != "safetensors":
         raise out.UsageError("--max-shard-size is for --to safetensors only")
@@ -128,12 +130,11 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
         return float(int(d.max()))
     inexact = np.complex128 if a.dtype.kind == "c" else np.float64
     a, b = a.astype(inexact), b.astype(inexact)
-    d = np.abs(a - b)
     nan_a, nan_b = np.isnan(a), np.isnan(b)
     if np.any(nan_a != nan_b):
         return float("nan")
-    d = d[~nan_a]  # NaN in both at the same place counts as equal
-    return float(d.max()) if d.size else 0.0
+    apart = (a != b) & ~nan_a  # equal infinities are equal (their difference would be NaN); so is NaN and NaN
+    return float(np.abs(a[apart] - b[apart]).max()) if apart.any() else 0.0
 
 
 def _diff(args) -> int:
@@ -152,8 +153,11 @@ def _diff(args) -> int:
         if a != b:  # dtype or shape
             report["dtype_or_shape_differs"].append({"key": key, "a": a, "b": b})
             continue
-        d = _max_abs_diff(np.asarray(ra.get(key)), np.asarray(rb.get(key)))
-        report["values"].append({"key": key, "max_abs_diff": d, "match": d <= args.atol})  # NaN: never a match
+        va, vb = np.asarray(ra.get(key)), np.asarray(rb.get(key))
+        d = _max_abs_diff(va, vb)
+        # At atol 0, bit for bit: -0.0 and 0.0, or two NaN payloads, are equal numbers but not the same bits.
+        match = d <= args.atol if args.atol else d == 0 and (out.is_str(va.dtype) or va.tobytes() == vb.tobytes())
+        report["values"].append({"key": key, "max_abs_diff": d, "match": bool(match)})  # NaN: never a match
     differ = bool(report["only_in_a"] or report["only_in_b"] or report["dtype_or_shape_differs"]
                   or report["object_graph"] in ("only in A", "only in B", "differs")
                   or not all(v["match"] for v in report["values"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,23 @@ def _text(value: np.ndarray, key: str) -> Any:
         raise out.UsageError(f"{key!r} is a Python value of shape {value.shape}; expected a scalar")
     item = value.item()
     return item.decode("utf-8", "backslashreplace") if isinstance(item, bytes) else item
+
+
+def check_destination(dst: str) -> None:
+    """Refuses a destination that is no safetensors file name, or whose files (the file itself, or a sharded
+    save's index and shards, named from it) exist: a convert never replaces a checkpoint."""
+    if not dst.endswith(st.SUFFIX) or dst.endswith(st.INDEX_SUFFIX):
+        raise out.UsageError(f"destination {dst!r}: name it *{st.SUFFIX} (with --max-shard-size, the shards and "
+                             f"the *{st.INDEX_SUFFIX} index are named from it)")
+    stem = dst[: -len(st.SUFFIX)]
+    folder, base = os.path.split(os.path.abspath(stem))
+    shard = re.compile(re.escape(base) + r"-\d+-of-\d+" + re.escape(st.SUFFIX))
+    taken = [p for p in (dst, stem + st.INDEX_SUFFIX) if os.path.lexists(p)]
+    if os.path.isdir(folder):
+        taken += sorted(os.path.join(folder, f) for f in os.listdir(folder) if shard.fullmatch(f))
+    if taken:
+        raise out.UsageError(f"destination {dst!r}: {taken[0]!r} already exists; remove it (and any shards beside "
+                             "it) or choose another path")
 
 
 def write(dst: str, tensors: dict[str, np.ndarray], graph: Any, max_shard_size: str | None) -> tuple[str, dict]:

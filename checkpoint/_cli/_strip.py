@@ -33,6 +33,7 @@ import numpy as np
 from checkpoint import _keys, _storage
 from checkpoint._cli import _out as out
 from checkpoint._storage import _save
+from checkpoint._storage._safetensors import is_safetensors
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 
@@ -40,6 +41,10 @@ def strip_optimizer(args) -> int:
     src, dst = args.src, os.path.abspath(args.dst)
     if os.path.lexists(dst) or os.path.lexists(dst + ".index"):
         raise out.UsageError(f"destination {args.dst!r} already exists; remove it or choose another path")
+    if is_safetensors(src):
+        raise out.UsageError(f"{src} is safetensors, which records no object graph, so which of its values are "
+                             "optimizer state is not known; convert it to the TF format first (varstate-ckpt "
+                             "convert SRC DST --to tf) if it was written from a checkpoint, then strip that")
     reader = _storage.open_reader(src)
     fmt = _format_of(reader)
     graph = out.object_graph(reader)

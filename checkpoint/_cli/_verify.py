@@ -28,10 +28,9 @@ import numpy as np
 from checkpoint import _storage
 from checkpoint._cli import _out as out
 from checkpoint._errors import DataLossError
-from checkpoint._storage._safetensors import SafetensorsReader
+from checkpoint._storage._safetensors import SafetensorsReader, is_safetensors
 
 _KERAS_SUFFIXES = (".h5", ".hdf5", ".keras")
-_SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
 _KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"  # the weights inside a .keras archive
 _KERAS_ARCHIVE, _KERAS_HDF5 = "Keras archive (.keras)", "Keras HDF5 weights"
 # What a value read of a damaged file raises in the readers below (tensorstore and libhdf5 report damage as
@@ -84,7 +83,7 @@ def verify(args) -> int:
 @contextlib.contextmanager
 def _opened(path: str) -> Iterator[tuple[str, bool, Iterator[tuple[str, int]]]]:
     """(format name, carries checksums, iterator of (key, bytes read)) for the checkpoint at `path`."""
-    if path.endswith(_SAFETENSORS_SUFFIXES):
+    if is_safetensors(path):  # a file or index by its name, or a directory holding one
         yield _safetensors(path)
         return
     from checkpoint.keras._hdf5 import is_hdf5

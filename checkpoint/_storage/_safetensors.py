@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from checkpoint import _dtypes
-from checkpoint._errors import CheckpointFormatError
+from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint._storage._files import open_regular, pread, pread_into, read_regular, replacing
 from checkpoint._storage._host import aligned_empty, one_by_one, place_many, read_grouped, read_runs
 
@@ -106,6 +106,10 @@ def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _json_error(e: BaseException) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def read_header(path: str) -> tuple[dict[str, Entry], dict[str, str]]:
     """({name: Entry}, metadata) of the safetensors file `path`; CheckpointFormatError naming it and the tensor."""
     fd, size = open_regular(path, "a safetensors file")
@@ -123,9 +127,9 @@ def read_header(path: str) -> tuple[dict[str, Entry], dict[str, str]]:
         os.close(fd)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointFormatError(f"{path}: the header is not valid JSON ({e}); the file is damaged or not "
-                                    "safetensors") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+        raise CheckpointFormatError(f"{path}: the header is not valid JSON ({_json_error(e)}); the file is damaged "
+                                    "or not safetensors") from None
     if not isinstance(header, dict):
         raise CheckpointFormatError(f"{path}: the header is {type(header).__name__}, expected a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -170,10 +174,10 @@ def read_index(path: str) -> tuple[dict[str, str], dict[str, Any]]:
     try:
         index = json.loads(read_regular(path, INDEX_LIMIT, "a safetensors index").decode("utf-8"),
                            object_pairs_hook=_pairs)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         if isinstance(e, CheckpointFormatError):
             raise
-        raise CheckpointFormatError(f"{path}: not valid JSON ({e}); the index is damaged") from None
+        raise CheckpointFormatError(f"{path}: not valid JSON ({_json_error(e)}); the index is damaged") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointFormatError(f"{path}: expected a JSON object with a weight_map of tensor names to file "
@@ -212,9 +216,11 @@ def resolve(path: str) -> str:
 
 def is_safetensors(path: str) -> bool:
     """True for a path naming safetensors: a file or index by its name, or a directory of one model."""
-    if os.path.isdir(path):
+    if os.path.isdir(path):  # as `resolve` reads one (a TF checkpoint directory has its 'checkpoint' file)
         names = os.listdir(path)
-        return any(f.endswith(INDEX_SUFFIX) for f in names) or f"model{SUFFIX}" in names
+        files = [f for f in names if f.endswith(SUFFIX)]
+        return (any(f.endswith(INDEX_SUFFIX) for f in names) or f"model{SUFFIX}" in names
+                or (len(files) == 1 and "checkpoint" not in names))
     return path.endswith((SUFFIX, INDEX_SUFFIX))
 
 
@@ -230,6 +236,12 @@ class SafetensorsReader:
             headers: dict[str, dict[str, Entry]] = {}
             for name, file in weight_map.items():
                 if file not in headers:
+                    if not os.path.lexists(file):
+                        held = sum(f == file for f in weight_map.values())
+                        raise DataLossError(
+                            f"{self.path}: the index puts {held} tensor{'s' * (held != 1)} ({name!r} first) in "
+                            f"{os.path.basename(file)}, which is missing from {os.path.dirname(file)}; copy that "
+                            "shard beside the index (the checkpoint is incomplete)")
                     headers[file], meta = read_header(file)
                     self.metadata.update(meta)
                 if name not in headers[file]:
@@ -351,16 +363,21 @@ class SafetensorsReader:
                 os.close(fd)
 
 
+_SIZE = r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT]?)(i?)B)?\s*"
+
+
 def parse_size(size: int | str, where: str) -> int:
     """Bytes of a shard size given as an int or as Hugging Face writes it (``"5GB"``, ``"500MiB"``)."""
     if _int(size) and size > 0:  # type: ignore[operator]
         return int(size)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B\s*", size, re.IGNORECASE) if isinstance(size, str) else None
-    if m is None:
+    # A count of bytes ("1000", as a command line gives it) or Hugging Face's form ("5GB", "500MiB").
+    m = re.fullmatch(_SIZE, size, re.IGNORECASE) if isinstance(size, str) else None
+    unit = (m.group(2) or "").upper() if m else ""
+    scale = (1024 if m and m.group(3) else 1000) ** "_KMGT".index(unit or "_")
+    if m is None or int(float(m.group(1)) * scale) < 1:
         raise ValueError(f"{where}: max_shard_size {size!r} is not a positive number of bytes or a size such as "
                          "'5GB' or '500MiB'")
-    scale = (1024 if m.group(3) else 1000) ** "_KMGT".index(m.group(2).upper() or "_")
-    return max(1, int(float(m.group(1)) * scale))
+    return int(float(m.group(1)) * scale)
 
 
 def write(path: str, tensors: dict[str, Any], metadata: dict[str, str], max_shard_size: int | None = None) -> str:

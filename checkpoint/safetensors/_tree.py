@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from checkpoint import _keys
+from checkpoint._errors import CheckpointFormatError
 from checkpoint._graph import _build, _match
 from checkpoint._storage._bundle_writer import assembled
 from checkpoint._storage._safetensors import (
@@ -206,10 +207,14 @@ def _json(st: SafetensorsReader, key: str) -> dict[str, Any]:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        from checkpoint._errors import CheckpointFormatError
-
         raise CheckpointFormatError(f"{st.path}: __metadata__ entry {key!r} is not a JSON object; the file is "
                                     "damaged")
+    for path, item in value.items():  # Python scalars, or a PRNG implementation's name
+        if not isinstance(item, str if key == PRNG_IMPL else (bool, int, float, str)) or (
+                type(item) is int and not -(2**63) <= item < 2**63):
+            raise CheckpointFormatError(f"{st.path}: __metadata__ entry {key!r} holds {item!r:.40} at {path!r}, "
+                                        f"expected {'a name' if key == PRNG_IMPL else 'a bool, int64, float or str'}; "
+                                        "the file is damaged")
     return value
 
 
@@ -321,10 +326,25 @@ def _as_dict(st: SafetensorsReader, sharding: Any) -> dict[str, Any]:
         raise TypeError(f"checkpoint.safetensors.load: without a template, sharding must be one "
                         f"jax.sharding.Sharding, found {type(sharding).__name__}")
     nested = st.metadata.get(NAMES_ARE_PATHS) == PATHS
+    if sharding is not None:
+        for key in st.keys():
+            try:
+                sharding.shard_shape(st.shape(key))
+            except (ValueError, IndexError) as e:  # IndexError: a spec with more axes than the value has
+                raise ValueError(
+                    f"checkpoint.safetensors.load: {st.path}: tensor {key!r} of shape {st.shape(key)} cannot take "
+                    f"{sharding} ({e if isinstance(e, ValueError) else 'its spec has more axes than the value'}); give "
+                    "a template with a sharding per value, or one sharding every value allows (PartitionSpec() "
+                    "replicates)") from None
     values: dict[str, Any] = st.get_many(dict.fromkeys(st.keys(), sharding))
     if not nested:
         return values
-    values.update(_json(st, PYTHON))
+    python = _json(st, PYTHON)
+    for name in python:
+        if name in values:
+            raise CheckpointFormatError(f"{st.path}: {name!r} is both a tensor and a Python value of its "
+                                        f"{PYTHON} metadata; the file is damaged")
+    values.update(python)
     out: dict[str, Any] = {}
     for name, value in values.items():
         where = nested_path(name)

@@ -277,6 +277,22 @@ def test_diff_same_values_and_nan_positions(run, tmp_path):
     assert code == 1 and "max|A-B|=nan" in out
 
 
+def test_diff_infinities_equal_themselves_and_atol_0_is_bit_for_bit(run, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    values = np.array([np.inf, -np.inf, 1.0, -0.0], np.float32)
+    write_bundle(a, {"x": values})
+    write_bundle(b, {"x": values})
+    code, out, err = run("diff", a, b)  # inf - inf is NaN: equal infinities must not be taken apart
+    assert (code, err) == (0, "") and out.split()[1:3] == ["max|A-B|=0", "match"]
+    write_bundle(b, {"x": np.array([np.inf, -np.inf, 1.0, 0.0], np.float32)})  # -0.0 and 0.0: equal, not the same bits
+    code, out, _ = run("diff", a, b)
+    assert code == 1 and out.split()[1:3] == ["max|A-B|=0", "DIFFERS"]
+    assert run("diff", a, b, "--atol", "1e-9")[0] == 0
+    write_bundle(b, {"x": np.array([np.inf, np.inf, 1.0, -0.0], np.float32)})
+    code, out, _ = run("diff", a, b, "--atol", "1e30")
+    assert code == 1 and out.split()[1:3] == ["max|A-B|=inf", "DIFFERS"]
+
+
 def test_diff_integers_exactly(run, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     big = np.array([2**60, -(2**63), 5], np.int64)

@@ -150,3 +150,61 @@ def test_convert_a_hugging_face_file_is_name_based(run, tmp_path):
     assert back.object_graph is None and sorted(back.keys()) == sorted(values)
     for name, v in values.items():
         assert back.get(name).dtype == v.dtype and back.get(name).tobytes() == v.tobytes()
+
+
+def test_convert_never_replaces_a_sharded_output_and_names_its_destination_safetensors(run, tmp_path):
+    src = checkpoint.Checkpoint(model={"v": varstate.Variable(jnp.ones(64)), "w": varstate.Variable(jnp.zeros(64))}
+                                ).write(str(tmp_path / "one"))
+    dst = str(tmp_path / "model.safetensors")
+    assert run("convert", src, dst, "--to", "safetensors", "--max-shard-size", "300")[0] == 0  # a plain byte count
+    for args in ((), ("--max-shard-size", "300B")):
+        code, _, err = run("convert", src, dst, "--to", "safetensors", *args)
+        index = str(tmp_path / "model.safetensors.index.json")
+        assert_one_line_error(code, err, re.escape(f"destination {dst!r}: {index!r} already exists; remove it (and "
+                                                   "any shards beside it) or choose another path"))
+    os.remove(tmp_path / "model.safetensors.index.json")  # its shards alone still block the name
+    code, _, err = run("convert", src, dst, "--to", "safetensors", "--max-shard-size", "300B")
+    assert_one_line_error(code, err, r".*model-00001-of-00002.safetensors' already exists.*")
+    for bad in ("x.safetensors.index.json", "out"):
+        code, _, err = run("convert", src, str(tmp_path / bad), "--to", "safetensors")
+        assert_one_line_error(code, err, r"destination .*: name it \*.safetensors \(with --max-shard-size, the shards "
+                                         r"and the \*.safetensors.index.json index are named from it\)")
+        assert not os.path.exists(tmp_path / bad)
+    code, _, err = run("convert", src, str(tmp_path / "z.safetensors"), "--to", "safetensors", "--max-shard-size", "0B")
+    assert_one_line_error(code, err, r".*max_shard_size '0B' is not a positive number of bytes.*")
+
+
+def test_verify_and_strip_on_safetensors_directories_and_missing_shards(run, tmp_path):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(hub / "pytorch_model.safetensors"))  # one file of another name
+    for verb in ("inspect", "verify"):
+        assert run(verb, str(hub))[0] == 0
+    index = st.save(tmp_path / "m" / "model.safetensors", {"a": np.ones(64, np.float32), "b": np.ones(64, np.int8)},
+                    max_shard_size=200)
+    code, out, err = run("verify", str(tmp_path / "m"))  # the directory, as inspect and load take it
+    assert (code, err) == (0, "") and out.splitlines()[-1] == "OK"
+    os.remove(tmp_path / "m" / "model-00002-of-00002.safetensors")
+    code, out, err = run("verify", index)
+    assert (code, err) == (1, "")
+    assert re.fullmatch(r"DAMAGED: found on opening it, before any value was read: .*model.safetensors.index.json: "
+                        r"the index puts 1 tensor \('b' first\) in model-00002-of-00002.safetensors, which is "
+                        r"missing from .*", out.splitlines()[1])
+    code, _, err = run("strip-optimizer", str(hub / "pytorch_model.safetensors"), str(tmp_path / "s"))
+    assert_one_line_error(code, err, r".*pytorch_model.safetensors is safetensors, which records no object graph, "
+                                     r"so which of its values are optimizer state is not known; convert it to the TF "
+                                     r"format first .*")
+
+
+def test_load_without_a_template_names_a_value_its_sharding_cannot_lay_out(tmp_path):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    path = st.save(tmp_path / "m.safetensors", {"w": np.zeros((8, 4), np.float32), "scale": np.float32(2.0)})
+    rows = NamedSharding(jax.make_mesh((2,), ("a",)), PartitionSpec("a"))
+    with pytest.raises(ValueError, match=r"checkpoint.safetensors.load: .*m.safetensors: tensor 'scale' of shape \(\) "
+                                         r"cannot take NamedSharding.* \(its spec has more axes than the value\); give "
+                                         r"a template with a sharding per value"):
+        st.load(path, sharding=rows)
+    loaded = st.load(path, sharding=NamedSharding(rows.mesh, PartitionSpec()))
+    assert loaded["scale"].item() == 2.0 and loaded["w"].sharding.is_fully_replicated

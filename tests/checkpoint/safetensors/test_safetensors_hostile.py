@@ -49,6 +49,7 @@ def test_damaged_headers(tmp_path, header, data, match):
     (b"{not json", r"the header is not valid JSON"),
     (b"\xff\xfe", r"the header is not valid JSON"),
     (b'{"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "t": {}}', r"the name 't' appears twice"),
+    (b"[" * 100_000 + b"]" * 100_000, r"the header is not valid JSON \(nested too deeply\)"),  # no RecursionError
 ])
 def test_headers_that_are_not_json(tmp_path, raw, match):
     path = _file(tmp_path / "bad.safetensors", None, raw_header=raw)
@@ -115,3 +116,28 @@ def test_index_and_shards_must_agree(tmp_path):
         st.load(bad)
     with pytest.raises(FileNotFoundError, match=r"expected one \*.safetensors.index.json index or one"):
         st.load(tmp_path)  # two indexes in one directory
+
+
+def test_a_missing_shard_is_named_as_damage_and_metadata_values_are_checked(tmp_path):
+    from safetensors.numpy import save_file
+
+    from checkpoint import DataLossError
+
+    index = st.save(tmp_path / "m.safetensors", {"a": np.ones(64, np.float32), "b": np.zeros(64, np.float32)},
+                    max_shard_size=300)
+    os.remove(tmp_path / "m-00002-of-00002.safetensors")
+    with pytest.raises(DataLossError, match=r"the index puts 1 tensor \('b' first\) in m-00002-of-00002.safetensors, "
+                                            r"which is missing from .*; copy that shard beside the index"):
+        st.load(index)
+    path = str(tmp_path / "clash.safetensors")  # a tensor and a Python value at one path: a hostile file
+    save_file({"a": np.arange(3, dtype=np.float32)}, path,
+              metadata={storage.NAMES_ARE_PATHS: storage.PATHS, storage.PYTHON: json.dumps({"a": 3})})
+    with pytest.raises(CheckpointFormatError, match=r"clash.safetensors: 'a' is both a tensor and a Python value of "
+                                                    r"its varstate.python metadata; the file is damaged"):
+        st.load(path)
+    for bad in (None, {}, [1, 2], 10**30):
+        save_file({"t": np.ones(2, np.float32)}, path,
+                  metadata={storage.NAMES_ARE_PATHS: storage.PATHS, storage.PYTHON: json.dumps({"c": bad})})
+        with pytest.raises(CheckpointFormatError, match=r"__metadata__ entry 'varstate.python' holds .* at 'c', "
+                                                        r"expected a bool, int64, float or str; the file is damaged"):
+            st.load(path)
