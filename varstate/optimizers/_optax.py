@@ -207,7 +207,10 @@ def from_optax(tx: Any, name: str = "optax") -> Optimizer:
     and ``nu``) become slot Variables named after their field, linked to
     their primaries; everything else (e.g. ``count``) becomes non-slot
     Variables. Field names that occur twice are spelled with their path
-    (``0_count``). None gradients leave their variable and its slots
+    (``0_count``). A state not shaped like the params (``optax.masked``'s,
+    ``optax.multi_transform``'s, which hold a subset of them) has no slots:
+    its moments are non-slot Variables named by path, so `get_slot` finds
+    none and a rebuilt model is not matched by identity. None gradients leave their variable and its slots
     untouched (TF's rule; optax itself sees a zero gradient);
     `IndexedSlices` are densified; non-trainable Variables get no state.
 
