@@ -352,7 +352,12 @@ class Checkpoint:
                 status's assertions name it, as TF leaves it to them); with
                 `strict`, a value unmatched on either side; a
                 name-based checkpoint (use `restore_by_name`); a value whose
-                shape does not fit its template.
+                shape does not fit its template; a template that uses one
+                Variable at two paths where the checkpoint saved two
+                distinct Variables; with JAX's 64-bit types off, a 64-bit
+                value its template's 32-bit type cannot hold (an integer
+                out of range, a float that would become 0 or inf), for a
+                Variable or a plain array alike.
             TypeError: a value whose dtype does not fit its template.
             CheckpointFormatError: a corrupt or unsupported file.
             FileNotFoundError: no checkpoint at `save_path`.
@@ -391,6 +396,15 @@ class Checkpoint:
             )
         state = _graph.RestoreState(reader)
         state.expect_partial = expect_partial
+        try:
+            return self._restore_into(state, save_path, strict=strict)
+        except BaseException:
+            # The caller gets the error and never this state: it must not warn later of values left unrestored.
+            state.expect_partial = True
+            raise
+
+    def _restore_into(self, state: _graph.RestoreState, save_path: str, *, strict: bool) -> LoadStatus:
+        reader = state.reader
         root = state.proto.nodes[0]
         counter = next((r.node_id for r in root.children if r.local_name == _keys.SAVE_COUNTER), None)
         if counter is not None:

@@ -16,6 +16,10 @@ class LoadStatus:
     same checkpoint (e.g. an optimizer state made after the model was
     restored) and returns a status holding them and every root restored
     before; the assertions of every status of one restore see them all.
+    An optimizer state takes its slots only from Variables restored before
+    it or with it: the state a restore returned cannot change, so restoring
+    its Variables afterwards raises ValueError. A `restore` that raises
+    leaves the account as it was.
 
     Args:
         state: the restore's shared account (what the checkpoint holds and what
@@ -73,6 +77,13 @@ class LoadStatus:
 
         Returns:
             A new LoadStatus holding these roots and the earlier ones.
+
+        Raises:
+            ValueError: as `Checkpoint.restore`; and Variables whose slots
+                an optimizer state restored earlier has left unrestored
+                (restore the Variables first, or give the optimizer state
+                again beside them). Nothing is restored then, and this
+                status's account is unchanged.
         """
         self._every.update(restore_roots(self._state, roots))
         return LoadStatus(self._state, dict(self._every), self._every)
@@ -91,9 +102,12 @@ class LoadStatus:
         self.assert_existing_objects_matched()
         st = self._state
         if st.pending_slots:  # checked first: more specific than the unresolved slot nodes
+            pending = st.pending_descriptions()
             raise AssertionError(
-                f"Unresolved slot restorations: {sorted(st.pending_slots.values())}: their primaries or the "
-                "optimizer's slot variables were not given to any restore."
+                f"Unresolved slot restorations: {len(pending)} slots were not restored, showing "
+                f"{min(len(pending), 10)}: {'; '.join(pending[:10])}. Give each slot's Variable to a restore, "
+                "before or with its optimizer state, and make that state from the restored Variables "
+                "(opt.init(status.model)); or call expect_partial() and use assert_existing_objects_matched()."
             )
         unresolved = st.unresolved()
         if unresolved:

@@ -58,6 +58,7 @@ class _Found:
     cells: list[_Cell] = dataclasses.field(default_factory=list)  # the values to load
     opts: list[_OptCell] = dataclasses.field(default_factory=list)  # optimizer states, their slots matched last
     rids: set[int] = dataclasses.field(default_factory=set)  # resource ids of every template Variable
+    variable_nodes: set[int] = dataclasses.field(default_factory=set)  # nodes this call bound to Variables
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,8 +86,11 @@ class RestoreState:
     reader: Any
     matched: dict[int, str] = dataclasses.field(default_factory=lambda: {0: "(root)"})  # node -> who took it
     unmatched: dict[str, None] = dataclasses.field(default_factory=dict)  # template objects with no saved value
-    pending_slots: dict[tuple[int, int, str], str] = dataclasses.field(default_factory=dict)  # awaiting a primary
+    # (optimizer node, primary node, slot name) -> the slot's node, for each slot left unrestored
+    pending_slots: dict[tuple[int, int, str], int] = dataclasses.field(default_factory=dict)
     node_rids: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # node -> its Variables' resources
+    variable_node: dict[int, int] = dataclasses.field(default_factory=dict)  # resource id -> the node it took
+    opt_slots: dict[int, set] = dataclasses.field(default_factory=dict)  # optimizer node -> its (rid, slot name)s
     expect_partial: bool = False
     dead_roots: dict[str, str] = dataclasses.field(default_factory=dict)  # root given -> why it matched no value
 
@@ -98,6 +102,31 @@ class RestoreState:
         """The nodes holding a value that no restore has taken."""
         return [i for i, n in enumerate(self.proto.nodes) if n.attributes and i not in self.matched]
 
+    def pending_descriptions(self) -> list[str]:
+        """Each unrestored slot with why it was not restored, for the assertions."""
+        out = []
+        for (opt, primary, slot_name), node in sorted(self.pending_slots.items()):
+            name = self._name(node)
+            if primary not in self.node_rids:
+                out.append(f"{name} (its Variable {self._name(primary)} was not restored)")
+            elif not 0 <= node < len(self.proto.nodes) or not self.proto.nodes[node].attributes:
+                out.append(f"{name} (the checkpoint holds no value for it)")
+            else:
+                out.append(f"{name} (the optimizer state restored at {self.matched.get(opt, self._name(opt))} "
+                           f"has no slot {slot_name!r} for the Variable restored at {self.matched[primary]})")
+        return out
+
+    def _name(self, node: int) -> str:
+        return self.names[node] if 0 <= node < len(self.names) else f"node {node}"
+
+    def snapshot(self) -> dict[str, Any]:
+        """The account as it is now, for `rollback` (shallow: the values held are replaced, never changed)."""
+        return {f: dict(getattr(self, f)) for f in _ACCOUNT}
+
+    def rollback(self, snapshot: dict[str, Any]) -> None:
+        for f in _ACCOUNT:
+            setattr(self, f, snapshot[f])
+
     def __del__(self) -> None:
         try:
             if not self.expect_partial and self.unresolved():
@@ -107,10 +136,20 @@ class RestoreState:
                 _log.warning("Some values in the checkpoint were not restored: %s%s (under %s). Call "
                              "expect_partial() on the status (CheckpointManager.restore: expect_partial=True) if "
                              "this is intended.%s", self.names[left[0]],
-                             f" and {len(left) - 1} more" if len(left) > 1 else "", ", ".join(roots),
+                             f" and {len(left) - 1} more" if len(left) > 1 else "", _some(roots, "roots"),
                              "".join(f" {why}" for why in self.dead_roots.values()))
         except Exception:  # never raise from a finalizer
             pass
+
+
+# What one restore call adds to a RestoreState: put back as it was when the call raises, so the statuses the
+# caller already holds still account for what was really restored.
+_ACCOUNT = ("matched", "unmatched", "pending_slots", "node_rids", "variable_node", "opt_slots", "dead_roots")
+
+
+def _some(items: list[str], what: str, n: int = 10) -> str:
+    """At most `n` of `items`, comma-separated, then how many more (a model has hundreds of them)."""
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more {what}" if len(items) > n else "")
 
 
 def restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool = True) -> dict[str, Any]:
@@ -119,17 +158,35 @@ def restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool = Tr
     A root that holds values and matched none of the checkpoint's is recorded
     in `st.dead_roots` (for the status's assertions and warning) and, when
     other values did match, with `raise_dead` unless `st.expect_partial`,
-    raises ValueError before anything is loaded.
+    raises ValueError before anything is loaded. When this raises, `st` is
+    left as it was before the call.
     """
+    before = st.snapshot()
+    try:
+        return _restore_roots(st, roots, raise_dead)
+    except BaseException:
+        st.rollback(before)
+        raise
+
+
+def _restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool) -> dict[str, Any]:
     top = {r.local_name: r.node_id for r in st.proto.nodes[0].children}
     found = _Found()
     tree, took, missed = {}, {}, {}  # per root: values matched, template values without a saved one
+    owner: dict[int, str] = {}  # id of an _OptCell -> its root
     for name, obj in roots.items():
         cells, left, opts = len(found.cells), len(st.unmatched), len(found.opts)
         tree[name] = _match(st, _walk.unwrap(obj), top.get(name), f"(root).{name}", found)
-        for opt in found.opts[opts:]:  # slots are matched last (after every primary), but belong to this root
-            _match_slots(st, opt, found)
+        owner.update((id(opt), name) for opt in found.opts[opts:])
         took[name], missed[name] = len(found.cells) - cells, len(st.unmatched) - left
+    # Slots after every root's primaries, but counted for the optimizer's root: roots are taken in name order,
+    # and an optimizer root may come before the root holding its Variables ("adam" before "model").
+    for opt in found.opts:
+        cells, left = len(found.cells), len(st.unmatched)
+        _match_slots(st, opt, found)
+        took[owner[id(opt)]] += len(found.cells) - cells
+        missed[owner[id(opt)]] += len(st.unmatched) - left
+    _check_slot_order(st, found)
     for name in roots:
         if not took[name] and missed[name]:
             st.dead_roots[name] = _dead_root(st, name, top)
@@ -141,7 +198,6 @@ def restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool = Tr
     others = any(label != f"(root).{_keys.SAVE_COUNTER}" and 0 <= i < len(st.proto.nodes)
                  and st.proto.nodes[i].attributes for i, label in st.matched.items())
     if dead and others and raise_dead and not st.expect_partial:
-        st.expect_partial = True  # the error says it all: no warning when the state is discarded
         raise ValueError(f"{st.dead_roots[dead[0]]} Or, if the root is new and not in this checkpoint, restore "
                          "with expect_partial=True.")
     loaded = _load(st, found.cells)
@@ -168,14 +224,16 @@ def restore_roots(st: RestoreState, roots: dict[str, Any], raise_dead: bool = Tr
 
 def _dead_root(st: RestoreState, name: str, top: dict[str, int]) -> str:
     """Why root `name` matched no value of the checkpoint: absent there, or another structure under it."""
-    roots = sorted(set(top) - {_keys.SAVE_COUNTER})
+    names = sorted(set(top) - {_keys.SAVE_COUNTER})
+    roots = f"[{_some([repr(r) for r in names], 'roots')}]"
     where = f"the checkpoint {st.reader.path!r}" if getattr(st.reader, "path", None) else "the checkpoint"
     if name not in top:
         return (f"Root {name!r} matched no value in {where}: it has no root {name!r}; its roots are {roots}. "
                 "Rename the root to the one holding its values (Checkpoint(<name>=...)), or pass the template of "
                 "the model this checkpoint was saved from.")
     node = st.proto.nodes[top[name]] if 0 <= top[name] < len(st.proto.nodes) else None
-    saved = sorted(r.local_name for r in node.children)[:10] if node is not None else []
+    children = sorted(r.local_name for r in node.children) if node is not None else []
+    saved = f"[{_some([repr(c) for c in children], 'values')}]"
     under = f"(root).{name}"
     first = next((label for label in st.unmatched if label == under or label.startswith((f"{under}.", f"{under}'"))),
                  under)
@@ -196,9 +254,15 @@ def _match(st: RestoreState, obj, node_id, label, found: _Found) -> Any:
         _unmatched(st, obj, k, label)
         return obj
     if k in VALUES:
-        st.matched[node_id] = label
         if k in (Kind.VARIABLE, Kind.PARTITIONED):
-            st.node_rids[node_id] = [v.resource_id for v in _walk.node_variables(obj)]
+            rids = [v.resource_id for v in _walk.node_variables(obj)]
+            other = next((st.variable_node[r] for r in rids if st.variable_node.get(r, node_id) != node_id), None)
+            if other is not None:
+                raise _tied_error(st, other, node_id, label)
+            st.node_rids[node_id] = rids
+            st.variable_node.update(dict.fromkeys(rids, node_id))
+            found.variable_nodes.add(node_id)
+        st.matched[node_id] = label
         cell = _Cell(obj, node.attributes[0].checkpoint_key, label, k)
         if k in (Kind.VARIABLE, Kind.ARRAY) and _walk.is_prng_key(_value(cell)):
             # Without a stored implementation (key data saved by orbax or flax), the template's: the shape
@@ -226,6 +290,50 @@ def _match(st: RestoreState, obj, node_id, label, found: _Found) -> Any:
         return _Repack(obj, _walk.rebuild(obj.unpack(), child, label))
     return _walk.rebuild(obj, child, label)
 
+def _tied_error(st: RestoreState, first: int, second: int, label: str) -> ValueError:
+    """One template Variable at two paths (tied) whose checkpoint saved two distinct Variables there."""
+    def key(node: int) -> str:
+        attributes = st.proto.nodes[node].attributes
+        return repr(attributes[0].checkpoint_key) if attributes else "(no value)"
+
+    return ValueError(
+        f"Cannot restore {label}: its template Variable is also the template's {st.matched.get(first, '?')} (one "
+        f"Variable used at two paths, tied), but the checkpoint holds two distinct Variables there: {key(first)} at "
+        f"{st._name(first)} and {key(second)} at {st._name(second)}. One Variable cannot take both values, and "
+        "the next save or step would keep only one. Untie the template (a Variable of its own at each path), or "
+        "restore into separate Variables and pick one of them to tie."
+    )
+
+
+def _check_slot_order(st: RestoreState, found: _Found) -> None:
+    """Refuses Variables whose slots an optimizer state restored earlier, without them, has left unrestored.
+
+    TF restores such slots when the Variable arrives (deferred restoration). Here the optimizer state was
+    returned already, by an earlier restore, and cannot change: restoring the Variables now would leave its
+    slots at their initial values, with its non-slot values (Adam's beta powers) restored.
+    """
+    now = {opt.node_id for opt in found.opts}
+    late: dict[int, list[tuple[int, str]]] = {}  # optimizer node -> (Variable node, slot name) it would have taken
+    for (opt, primary, slot_name), slot_node in st.pending_slots.items():
+        linked = st.opt_slots.get(opt, set())
+        if (opt not in now and primary in found.variable_nodes
+                and any((r, slot_name) in linked for r in st.node_rids[primary])
+                and 0 <= slot_node < len(st.proto.nodes) and st.proto.nodes[slot_node].attributes):
+            late.setdefault(opt, []).append((primary, slot_name))
+    if late:
+        opt, slots = next(iter(late.items()))
+        variables = sorted({st.matched[primary] for primary, _ in slots})
+        names = sorted(f"{name!r} for {st.matched[primary]}" for primary, name in slots)
+        raise ValueError(
+            f"Cannot restore {_some(variables, 'Variables')} after the optimizer state "
+            f"{st.matched.get(opt, st._name(opt))}: an earlier restore returned that state before its Variables "
+            f"were restored, without their slots ({_some(names, 'slots')}), and it cannot change now. Restore "
+            "the Variables first and the optimizer state after them (status.restore(optimizer=opt.init("
+            "status.model))), or both in one restore (Checkpoint(model=..., optimizer=...).restore(path), or "
+            "give the optimizer state again beside them: status.restore(model=..., optimizer=...))."
+        )
+
+
 def _unmatched(st: RestoreState, obj, k, label) -> None:
     if k in VALUES:
         st.unmatched[label] = None
@@ -239,7 +347,7 @@ def _unmatched(st: RestoreState, obj, k, label) -> None:
 def _match_slots(st: RestoreState, opt: _OptCell, found: _Found) -> None:
     """A slot is matched through its primary's node and slot name (not the optimizer's layout)."""
     templates = dict(_walk.linked_slots(opt.template))
-    rid_node = {rid: n for n, rs in st.node_rids.items() for rid in rs}
+    st.opt_slots[opt.node_id] = set(templates)
     by_rid: dict[int, _Cell] = {}
     for ref in st.proto.nodes[opt.node_id].slot_variables:
         pending = (opt.node_id, ref.original_variable_node_id, ref.slot_name)
@@ -247,7 +355,7 @@ def _match_slots(st: RestoreState, opt: _OptCell, found: _Found) -> None:
         slots = [templates[(r, ref.slot_name)] for r in rids or () if (r, ref.slot_name) in templates]
         slot_node = ref.slot_variable_node_id
         if not slots or not 0 <= slot_node < len(st.proto.nodes) or not st.proto.nodes[slot_node].attributes:
-            st.pending_slots[pending] = f"{st.names[slot_node] if 0 <= slot_node < len(st.names) else slot_node}"
+            st.pending_slots[pending] = slot_node
             continue
         st.pending_slots.pop(pending, None)
         key = st.proto.nodes[slot_node].attributes[0].checkpoint_key
@@ -259,7 +367,7 @@ def _match_slots(st: RestoreState, opt: _OptCell, found: _Found) -> None:
             found.cells.append(cell)
             by_rid[slot.resource_id] = cell
     for (primary, _), slot in templates.items():
-        if slot.resource_id not in by_rid and (primary in rid_node or primary in found.rids):
+        if slot.resource_id not in by_rid and (primary in st.variable_node or primary in found.rids):
             st.unmatched[f"{opt.label}'s slot {slot.name!r}"] = None
     opt.slots = _walk.merge_slots(opt.template.slots, lambda v: by_rid.get(v.resource_id, v), opt.plain)
 
@@ -343,8 +451,10 @@ def _finish(cell: _Cell, value: Any, impl: Any = None) -> Any:
         # A 64-bit value for a template of its 32-bit form (allowed by _check). A jax.Array cannot hold it while
         # JAX's 64-bit types are off, and a plain array has no handle to remember the stored dtype on: it comes
         # back as numpy, in its stored dtype, so that it saves back as stored (TF refuses an int32 into its int64
-        # counters), and nothing is narrowed.
+        # counters). JAX narrows it the first time it takes it, so it must pass the checks a Variable's value
+        # passes here: refused now, naming the key, rather than changed then without a word.
         host = np.array(jax.device_get(value))
+        _dtypes.narrow(host, want[1], cell.label, cell.key)
         return host.reshape(())[()] if isinstance(t, np.generic) else host
     if want is not None and stored != want[1]:  # allowed by _check: JAX's 32-bit type
         value = _dtypes.narrow(np.asarray(value), want[1], cell.label, cell.key)

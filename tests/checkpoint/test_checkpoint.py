@@ -217,16 +217,19 @@ def test_deferred_restoration_of_an_optimizer_created_after_the_model(tmp_path):
     assert opt_status.assert_consumed() is opt_status
 
 
-def test_slots_restored_before_their_primary_stay_pending(tmp_path):
+def test_slots_restored_before_their_primary_are_refused_then_given_again(tmp_path):
     path, model, state, opt = adam_checkpoint(tmp_path)
     w = varstate.Variable(jnp.zeros(2))
     status = checkpoint.Checkpoint(optimizer=opt.init({"w": w})).restore(path)
-    with pytest.raises(AssertionError, match=r"Unresolved slot restorations: .*\(root\)\.model\.w's state 'm'"):
+    with pytest.raises(AssertionError, match=r"Unresolved slot restorations: .*\(root\)\.model\.w's state 'm' "
+                                             r"for \(root\)\.optimizer \(its Variable \(root\)\.model\.w was not "
+                                             r"restored\)"):
         status.assert_consumed()
-    status.restore(model={"w": w})
-    with pytest.raises(AssertionError, match=r"Unresolved slot restorations: .*'v' for \(root\)\.optimizer"):
-        status.assert_consumed()  # the optimizer was already returned: give it again
-    again = status.restore(optimizer=opt.init({"w": w})).optimizer
+    # The optimizer state was returned without its slots and cannot change: the model alone is refused.
+    with pytest.raises(ValueError, match=r"Cannot restore \(root\)\.model\.w after the optimizer state "
+                                         r"\(root\)\.optimizer: .*give the optimizer state again"):
+        status.restore(model={"w": w})
+    again = status.restore(model={"w": w}, optimizer=opt.init({"w": w})).optimizer  # given again beside it
     np.testing.assert_array_equal(again.get_slot(w, "m").value, state.get_slot(model["w"], "m").value)
     status.assert_consumed()
 
