@@ -17,6 +17,7 @@ jitted function, as a Keras layer does inside `call`, works as well.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -127,9 +128,20 @@ class AutoCastVariable(_ArrayOps):
         return self._variable
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_variable":  # not yet set (copy/unpickle): do not recurse
-            raise AttributeError(name)
+        # Protocols look their hooks up on the instance (`copy.deepcopy` finds `__deepcopy__`, numpy
+        # `__array_interface__`): forwarded, the Variable's hook would answer for the wrapper and drop the autocast.
+        if name == "_variable" or (name.startswith("__") and name.endswith("__")):  # `_variable`: not yet set
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self._variable, name)
+
+    def __copy__(self) -> AutoCastVariable:
+        return _wrap(self._variable)
+
+    def __deepcopy__(self, memo: dict) -> AutoCastVariable:
+        # As a Variable's deep copy: the value copied, the identity kept; and still a wrapper, so reads autocast.
+        out = _wrap(copy.deepcopy(self._variable, memo))
+        memo[id(self)] = out
+        return out
 
     @property
     def true_dtype(self) -> np.dtype:
@@ -138,7 +150,12 @@ class AutoCastVariable(_ArrayOps):
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype reads return, which is the autocast dtype inside `autocast` and `true_dtype` elsewhere."""
+        """The dtype reads return, which is the autocast dtype inside `autocast` and `true_dtype` elsewhere.
+
+        TF 2.4 and later report the storage dtype here; jax takes an object's
+        `dtype` for type promotion and `jnp.zeros_like`, so this one follows
+        the reads (see "Where we differ" in the TF1 migration guide).
+        """
         return _context.value or self._variable.dtype
 
     @property

@@ -6,6 +6,8 @@ from typing import Any
 
 import jax
 
+from varstate._autocast import AutoCastVariable
+from varstate._partition import PartitionedVariable
 from varstate._variable import Variable, version
 
 
@@ -13,24 +15,58 @@ def _is_var(x: Any) -> bool:
     return isinstance(x, Variable)
 
 
+def _is_unit(x: Any) -> bool:
+    """A leaf of `values`: a Variable or one of the wrappers that hold Variables."""
+    return isinstance(x, (Variable, AutoCastVariable, PartitionedVariable))
+
+
+def _stored(x: Any) -> Any:
+    """The value of a Variable, or the storage value of an AutoCastVariable (never cast)."""
+    return x.__varstate_variable__().value if isinstance(x, AutoCastVariable) else x.value
+
+
+def _value_of(x: Any) -> Any:
+    if isinstance(x, PartitionedVariable):
+        return [_stored(shard) for shard in x]
+    return _stored(x) if _is_unit(x) else x
+
+
 def values(tree: Any) -> Any:
     """`tree` with every Variable replaced by its value; everything else unchanged.
 
     What a loss function or `jax.grad` wants from a params pytree; with it,
-    `jax.tree.map` over two models works on their values.
+    `jax.tree.map` over two models works on their values. The wrappers give
+    arrays too: an `AutoCastVariable` its stored value (float32, not cast,
+    even inside `autocast`), a `PartitionedVariable` the list of its shards'
+    values (``jnp.concatenate(vals, axis)`` is the full array). The
+    gradients of a function of these arrays are arrays, which
+    `apply_gradients` does not pair with such wrappers: to train
+    mixed-precision or partitioned params, differentiate with respect to the
+    params themselves (``jax.grad(loss)(params)``; an AutoCastVariable's read
+    inside `autocast` is then cast, and its gradient reaches the float32
+    storage).
 
     Args:
         tree: any pytree (Variables among its leaves or not).
 
     Returns:
-        The same structure with each Variable's value (a jax.Array) in its place.
+        The same structure with each Variable's value (a jax.Array) in its
+        place, each AutoCastVariable's stored value, each PartitionedVariable's
+        list of shard values.
 
     >>> import jax.numpy as jnp, varstate
     >>> params = {"w": varstate.Variable(jnp.ones(2)), "n": 3}
     >>> varstate.values(params)["w"].tolist(), varstate.values(params)["n"]
     ([1.0, 1.0], 3)
+    >>> r = varstate.Registry()
+    >>> mixed = {"w": varstate.AutoCastVariable(varstate.Variable(jnp.ones(2), name="w", registry=r)),
+    ...          "emb": varstate.PartitionedVariable(jnp.ones((3, 2)), name="emb", num_shards=2, registry=r)}
+    >>> with varstate.autocast(jnp.bfloat16):
+    ...     vals = varstate.values(mixed)
+    >>> vals["w"].dtype, [x.shape for x in vals["emb"]]
+    (dtype('float32'), [(2, 2), (1, 2)])
     """
-    return jax.tree.map(lambda x: x.value if isinstance(x, Variable) else x, tree, is_leaf=_is_var)
+    return jax.tree.map(_value_of, tree, is_leaf=_is_unit)
 
 
 def with_values(template: Any, arrays: Any) -> Any:
@@ -38,6 +74,10 @@ def with_values(template: Any, arrays: Any) -> Any:
 
     Each new version keeps its Variable's identity (resource id, name), as
     `Variable.assign` does, and is checked the same way (shape and dtype).
+    `arrays` has the structure `values` gives: an array for an
+    `AutoCastVariable` (its storage dtype; the result is an AutoCastVariable
+    again), a list of shard values for a `PartitionedVariable` (the result is
+    the PartitionedVariable's new version).
 
     Args:
         template: a pytree whose Variables give the identities.
@@ -49,8 +89,9 @@ def with_values(template: Any, arrays: Any) -> Any:
         where `template` has no Variable.
 
     Raises:
-        ValueError: `arrays` does not have `template`'s structure, or a value's
-            shape differs from its Variable's.
+        ValueError: `arrays` does not have `template`'s structure (a
+            PartitionedVariable's entry not a list of one value per shard),
+            or a value's shape differs from its Variable's.
         TypeError: a value's dtype differs from its Variable's.
 
     >>> import jax.numpy as jnp, varstate
@@ -59,7 +100,7 @@ def with_values(template: Any, arrays: Any) -> Any:
     >>> new["w"].name, new["w"].resource_id == params["w"].resource_id, new["w"].value.tolist()
     ('w', True, [0.0, 0.0])
     """
-    t_leaves, t_def = jax.tree.flatten(template, is_leaf=_is_var)
+    t_leaves, t_def = jax.tree.flatten(template, is_leaf=_is_unit)
     try:
         a_leaves = t_def.flatten_up_to(arrays)
     except (ValueError, TypeError) as e:
@@ -67,8 +108,27 @@ def with_values(template: Any, arrays: Any) -> Any:
             f"with_values: `arrays` does not have the template's structure {t_def}: {e} "
             "Pass arrays in the structure varstate.values(template) returns."
         ) from None
-    return t_def.unflatten([t.assign(a) if isinstance(t, Variable) else a for t, a in zip(t_leaves, a_leaves,
-                                                                                          strict=True)])
+    return t_def.unflatten([_assigned(t, a) for t, a in zip(t_leaves, a_leaves, strict=True)])
+
+
+def _assigned(t: Any, a: Any) -> Any:
+    if isinstance(t, Variable):
+        return t.assign(a)
+    if isinstance(t, AutoCastVariable):
+        # The inner assign, not the wrapper's (which casts any float dtype): the same checks as for a Variable.
+        return AutoCastVariable(t.__varstate_variable__().assign(a))
+    if isinstance(t, PartitionedVariable):
+        if not isinstance(a, (list, tuple)) or len(a) != len(t):
+            found = (f"a {type(a).__name__} of {len(a)}" if isinstance(a, (list, tuple)) else
+                     f"a {type(a).__name__}" + (f" of shape {tuple(a.shape)}" if hasattr(a, "shape") else ""))
+            raise ValueError(
+                f"with_values: PartitionedVariable {t.name!r} takes a list of {len(t)} shard values (what "
+                f"varstate.values gives), found {found}. Pass the shards' values in order, or the whole value "
+                "to the PartitionedVariable's own assign(full_array), which slices it into the shards."
+            )
+        shards, shard_def = jax.tree.flatten(t, is_leaf=lambda x: isinstance(x, (Variable, AutoCastVariable)))
+        return shard_def.unflatten([_assigned(s, x) for s, x in zip(shards, a, strict=True)])
+    return a
 
 
 def tree_map(f: Any, tree: Any, *rest: Any) -> Any:

@@ -43,6 +43,7 @@ from typing import Any as _Any
 
 import jax as _jax
 
+from varstate._autocast import AutoCastVariable as _AutoCastVariable
 from varstate._registry import Registry as _Registry
 from varstate._variable import Variable as _Variable
 
@@ -109,11 +110,13 @@ def to_nnx(module: _Any, params: _Any) -> None:
     Args:
         module: the nnx Module to update in place.
         params: nested dicts of Variables (or arrays) keyed by nnx path, as
-            `from_nnx` returns, or a subset of them.
+            `from_nnx` returns, or a subset of them; an `AutoCastVariable`
+            gives its stored (float32) value.
 
     Returns:
-        None; `module` holds copies of the values, so a later donated step
-        over `params` (`apply_gradients`) leaves the Module's arrays alive.
+        None; `module` holds copies of the values (arrays, never the
+        Variables or their wrappers), so a later donated step over `params`
+        (`apply_gradients`) leaves the Module's arrays alive.
 
     Raises:
         TypeError: `module` is not an nnx Module, or `params` is not a dict.
@@ -135,8 +138,12 @@ def to_nnx(module: _Any, params: _Any) -> None:
     nnx.update(module, nnx.from_flat_state(updates))
 
 
-def _replaced(current: dict, params: _Any, verb: str, *, copy: bool = False) -> list[tuple[tuple, _Any]]:
-    """(path, the Module's nnx Variable holding the new value) for each leaf of `params`, each checked."""
+def _replaced(current: dict, params: _Any, verb: str, *, copy: bool = False,
+              read: bool = False) -> list[tuple[tuple, _Any]]:
+    """(path, the Module's nnx Variable holding the new value) for each leaf of `params`, each checked.
+
+    An AutoCastVariable gives its stored value, or with `read` its read (in the `autocast` dtype inside a scope).
+    """
     if not isinstance(params, dict):
         nnx = _nnx()
         hint = (" (a Module): pass from_nnx(other) for another Module's values" if isinstance(params, nnx.Module)
@@ -152,16 +159,22 @@ def _replaced(current: dict, params: _Any, verb: str, *, copy: bool = False) -> 
             for k, v in node.items():
                 walk(v, (*path, k))
             return
-        value = node.value if isinstance(node, _Variable) else node
+        if isinstance(node, _AutoCastVariable):
+            # Checked by its storage (the scope did any cast, not the caller); the Module gets the stored value to
+            # keep, or for a loss the read, cast inside `autocast` as a Keras layer computes.
+            stored = node.__varstate_variable__().value
+            value = node.value if read else stored
+        else:
+            stored = value = node.value if isinstance(node, _Variable) else node
         target = current.get(path)
         if target is None:
             raise KeyError(f"{verb}: the Module has no variable at {'/'.join(map(str, path))!r}; its paths are "
                            f"{sorted('/'.join(map(str, p)) for p in current)[:10]}.")
         old = target.get_value()
-        if tuple(old.shape) != tuple(value.shape) or old.dtype != value.dtype:
-            fix = (f"cast it first (.astype(jnp.{old.dtype}))" if tuple(old.shape) == tuple(value.shape) else
+        if tuple(old.shape) != tuple(stored.shape) or old.dtype != stored.dtype:
+            fix = (f"cast it first (.astype(jnp.{old.dtype}))" if tuple(old.shape) == tuple(stored.shape) else
                    "params come from another architecture (from_nnx(module) gives this Module's)")
-            raise ValueError(f"{verb}: {'/'.join(map(str, path))!r} is {value.dtype}{list(value.shape)}, the "
+            raise ValueError(f"{verb}: {'/'.join(map(str, path))!r} is {stored.dtype}{list(stored.shape)}, the "
                              f"Module holds {old.dtype}{list(old.shape)}: {fix}.")
         updates.append((path, target.replace(value.copy() if copy and isinstance(value, _jax.Array) else value)))
 
@@ -178,7 +191,11 @@ def loss_fn(model: _Any, f: _Callable[..., _Any], *, discard_changes: bool = Fal
     `varstate.values`; a subset is fine: the rest comes from `model`), so
     ``jax.grad(loss_fn(model, f))(varstate.values(params))`` has the
     structure of ``params`` and goes straight to ``opt.apply_gradients``.
-    `model` itself is never changed. Works under `jax.jit`; the rest of the
+    `model` itself is never changed. An `AutoCastVariable` in `params`
+    (`mixed_precision.autocast_variables`) gives the copy its read: inside
+    `varstate.autocast` the Module computes in the compute dtype, and
+    ``jax.grad`` of the wrappers themselves has their structure, float32
+    gradients on the storage. Works under `jax.jit`; the rest of the
     Module's state (RNG keys) is read when the function is traced.
 
     The function is pure, so a change `f` makes to the copy's state (a
@@ -229,7 +246,8 @@ def loss_fn(model: _Any, f: _Callable[..., _Any], *, discard_changes: bool = Fal
         # Variable made outside it), and are found below.
         flat = {p: v.replace(v.get_value()) for p, v in nnx.to_flat_state(state)}
         rng_types = (nnx.RngKey, nnx.RngCount)  # left to nnx, as from_nnx leaves them
-        flat.update(_replaced({p: v for p, v in flat.items() if not isinstance(v, rng_types)}, params, "loss_fn"))
+        flat.update(_replaced({p: v for p, v in flat.items() if not isinstance(v, rng_types)}, params, "loss_fn",
+                              read=True))
         before = {p: v.get_value() for p, v in flat.items()}
         out = f(nnx.merge(graphdef, nnx.from_flat_state(list(flat.items()))), *args, **kwargs)
         changed = sorted((not isinstance(v, nnx.RngCount), i, p) for i, (p, v) in enumerate(flat.items())
