@@ -10,6 +10,9 @@ canonicalization table, where `_ArrayOps` is registered too, so `lax.add(v, x)`
 works and so do custom JVP rules that hand a variable's tangent (itself a
 variable: the tangent has the primal's pytree structure) to a primitive, as
 `jax.nn.relu`'s does under `jax.grad`.
+
+It also holds the conversion of Python values to a variable's dtype that
+`assign` and the scatters share (`_as_array`), refusing what TF's does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.interpreters.xla
+import jax.numpy as jnp
 import numpy as np
 
 from varstate._jax_compat import Tracer
@@ -26,6 +31,49 @@ from varstate._jax_compat import Tracer
 
 def _unwrap(x: Any) -> Any:
     return x.value if isinstance(x, _ArrayOps) else x
+
+
+def _fit_fix(dtype: np.dtype) -> str:
+    """How to hold a value that does not fit in `dtype`, for messages."""
+    if dtype in (np.dtype(np.int32), np.dtype(np.uint32)) and jax.dtypes.canonicalize_dtype(np.int64) == np.int32:
+        # JAX's widest integers while its 64-bit types are off: TF's int64 is narrowed to them.
+        return ("JAX's 64-bit types are off, so int64 is held as int32: turn them on at startup with "
+                "jax.config.update(\"jax_enable_x64\", True), then pass an int64 value (np.int64(...)) "
+                "to an int64 variable.")
+    return "pass a value in that range, or create the variable with a wider dtype."
+
+
+def _overflow_error(value: Any, dtype: Any, what: str) -> OverflowError:
+    """The error for a Python integer `value` that `dtype` (None: JAX's default integer) cannot hold."""
+    target = np.dtype(dtype if dtype is not None else jax.dtypes.canonicalize_dtype(np.int64))
+    span = f" (range {np.iinfo(target).min}..{np.iinfo(target).max})" if target.kind in "iu" else ""
+    return OverflowError(f"{what}: {value!r:.60} does not fit in {target}{span}; {_fit_fix(target)}")
+
+
+def _as_array(value: Any, dtype: Any, what: str) -> Any:
+    """A Python or numpy `value` as a jax array of `dtype`, refusing what TF's conversion refuses.
+
+    An integer out of `dtype`'s range (OverflowError), a Python float with a
+    fraction for an integer dtype (TypeError): `what` names the variable and
+    the method in the message (``"Variable 'w'.assign"``).
+    """
+    try:
+        out = jnp.asarray(value, dtype=dtype)
+    except OverflowError:
+        raise _overflow_error(value, dtype, what) from None
+    _check_lossless(value, out, what)
+    return out
+
+
+def _check_lossless(value: Any, out: Any, what: str) -> None:
+    """Refuses `out`, the conversion of the Python `value`, if it dropped a fraction (TF's conversion refuses)."""
+    if isinstance(value, (float, complex, list, tuple)) and jnp.issubdtype(out.dtype, jnp.integer):
+        exact = np.asarray(value)
+        if not np.issubdtype(exact.dtype, np.integer) and not np.array_equal(exact, out):
+            raise TypeError(
+                f"{what}: cannot convert {value!r:.60} to {out.dtype} without losing its fractional part; "
+                "pass an integer."
+            )
 
 
 def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:

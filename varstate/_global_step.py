@@ -30,11 +30,20 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     returned is the version created first: a training loop threads its own
     updated versions, the registry only keeps the identity.
 
+    TF1's finds a variable already named ``global_step`` and takes it as the
+    global step. A registry holds identities, not values, so it cannot hand
+    back that variable's current version: it refuses instead of making a
+    second counter named ``global_step_1``, which no TF checkpoint knows.
+
     Args:
         registry: the `Registry` whose global step it is; None is the default one.
 
     Returns:
         The non-trainable scalar Variable named ``global_step``.
+
+    Raises:
+        ValueError: the registry already has a variable named
+            ``global_step`` that this function did not make.
 
     >>> import varstate
     >>> r = varstate.Registry()
@@ -46,6 +55,15 @@ def get_or_create_global_step(registry: Registry | None = None) -> Variable:
     with registry._lock:
         if registry._global_step is None:
             # The registry holds the global step strongly, as TF's collection does.
+            if registry._names.get("global_step") is not None:
+                raise ValueError(
+                    "get_or_create_global_step: this registry already has a variable named 'global_step' that it "
+                    "did not make, so the global step made now would be 'global_step_1', a name TF's checkpoints "
+                    "do not know (TF1 would take that variable, but a registry keeps identities, not its current "
+                    "value). Use that variable as the global step (apply_gradients(..., global_step=it); "
+                    "varstate.assert_global_step checks it), or rename it, or give the global step a registry of "
+                    "its own: get_or_create_global_step(varstate.Registry())."
+                )
             registry._global_step = int64_counter("global_step", registry)
         return registry._global_step
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from varstate._registry import _scoped
+from varstate._registry import Registry, _scoped, outside_name_scopes
 from varstate._variable import Variable
 
 
@@ -150,6 +150,22 @@ def _part(value: Any, info: SaveSliceInfo) -> Any:
     return value[tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape, strict=True))]
 
 
+def _unique_full_name(registry: Registry, name: str, shards: int) -> str:
+    """`name`, or ``name_1``, ``name_2``... (TF1's naming): the first whose shard names and itself are all free.
+
+    The full name is the key a checkpoint saves the whole under: two tables sharing it would both restore from
+    one tensor. It counts as taken by a variable of that name too (they would share that key).
+    """
+    def free(candidate: str) -> bool:
+        return all(registry.unique_name(n) == n for n in (candidate, *(f"{candidate}/part_{i}" for i in range(shards))))
+
+    candidate, i = name, 0
+    while not free(candidate):
+        i += 1
+        candidate = f"{name}_{i}"
+    return candidate
+
+
 class PartitionedVariable:
     """A variable stored as several shard Variables along one axis (TF's PartitionedVariable).
 
@@ -230,12 +246,15 @@ class PartitionedVariable:
                 f"PartitionedVariable {name!r}: partitioner returned {parts}; only axis {axis} "
                 f"may be split for shape {value.shape}."
             )
-        full_name = _scoped(name)  # the shards' names get the scopes from Variable; the full name needs them too
-        self._variables = tuple(
-            Variable(_part(value, info) if sharding is None else jax.device_put(_part(value, info), sharding),
-                     name=f"{name}/part_{i}", trainable=trainable, save_slice_info=info, registry=registry)
-            for i, info in enumerate(_slices(full_name, value.shape, parts[axis], axis))
-        )
+        registry = Registry.default() if registry is None else registry
+        scoped = _scoped(name)  # the shards are named from the full name, scopes included, outside them
+        with registry._lock, outside_name_scopes():  # the name found free stays free until the shards take it
+            full_name = _unique_full_name(registry, scoped, parts[axis])
+            self._variables = tuple(
+                Variable(_part(value, info) if sharding is None else jax.device_put(_part(value, info), sharding),
+                         name=f"{full_name}/part_{i}", trainable=trainable, save_slice_info=info, registry=registry)
+                for i, info in enumerate(_slices(full_name, value.shape, parts[axis], axis))
+            )
         self._name, self._shape, self._dtype, self._axis = full_name, value.shape, value.dtype, axis
 
     @classmethod

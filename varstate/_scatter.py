@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from varstate._array_ops import _unwrap
+from varstate._array_ops import _as_array, _unwrap
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import Tracer
 
@@ -47,7 +47,7 @@ def _where(var: Variable, op: str) -> str:
     return f"Variable {var.name!r}.{op}"
 
 
-def _rows_in_range(var: Variable, indices: jax.Array, op: str) -> None:
+def _rows_in_range(var: Variable, indices: jax.Array | np.ndarray, op: str) -> None:
     if isinstance(indices, Tracer) or not indices.size:
         return
     n = var.shape[0]
@@ -57,6 +57,36 @@ def _rows_in_range(var: Variable, indices: jax.Array, op: str) -> None:
             f"{_where(var, op)}: index {bad[0]} is out of range for a first dimension of size {n} "
             f"(valid: 0..{n - 1})."
         )
+
+
+def _host_indices(var: Variable, indices: Any, op: str) -> Any:
+    """Numpy or Python `indices` as numpy, range-checked first when JAX would narrow them.
+
+    With 64-bit types off, jnp.asarray wraps an int64 index into int32
+    (2**32 + 1 becomes 1, a valid row), so the range check after it would pass.
+    """
+    nd = op == "gather_nd" or op.startswith("scatter_nd_")
+    try:
+        host = np.asarray(indices)
+    except (TypeError, ValueError):
+        return indices  # jnp.asarray says what is wrong with it
+    if host.dtype == object:  # Python ints beyond int64 (or not numbers: left to jnp.asarray's message)
+        huge = [i for i in host.ravel().tolist() if isinstance(i, int) and not isinstance(i, bool)]
+        if huge and len(huge) == host.size:
+            n = var.shape[0]
+            valid = (f"the variable's shape {var.shape} (index j must be in 0..shape[j] - 1)" if nd else
+                     f"a first dimension of size {n} (valid: 0..{n - 1})")
+            raise IndexError(f"{_where(var, op)}: index {max(huge, key=abs)} is out of range for {valid}.")
+        return indices
+    if host.dtype.kind in "iu" and host.size:
+        info = np.iinfo(jax.dtypes.canonicalize_dtype(host.dtype))
+        if host.min() < info.min or host.max() > info.max:
+            # Past every dimension JAX can hold, so these checks raise, naming the index.
+            if nd:
+                _depth(var, host, op)
+            else:
+                _rows_in_range(var, host, op)
+    return host
 
 
 def _value_and_indices(var: Variable, indices: Any, op: str) -> tuple[Any, jax.Array]:
@@ -69,7 +99,10 @@ def _value_and_indices(var: Variable, indices: Any, op: str) -> tuple[Any, jax.A
             f"use {fix}."
         )
     value = var.read_value()
-    indices = jnp.asarray(_unwrap(indices))
+    indices = _unwrap(indices)
+    if not isinstance(indices, jax.Array):
+        indices = _host_indices(var, indices, op)
+    indices = jnp.asarray(indices)
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"{_where(var, op)}: indices must be integers, got {indices.dtype}.")
     return value, indices
@@ -79,7 +112,8 @@ def _updates(var: Variable, updates: Any, want: tuple[int, ...], why: str, op: s
     updates = _unwrap(updates)
     if isinstance(updates, (int, float, bool, list, tuple)) or (
             isinstance(updates, (np.ndarray, np.generic)) and np.can_cast(updates.dtype, var.dtype, "same_kind")):
-        updates = jnp.asarray(updates, var.dtype)  # as TF converts Python and numpy values to the variable's dtype
+        # As TF converts Python and numpy values to the variable's dtype; as `assign`, no fraction or overflow lost.
+        updates = _as_array(updates, var.dtype, _where(var, op))
     if tuple(updates.shape) != want:
         raise ValueError(f"{_where(var, op)}: updates have shape {tuple(updates.shape)}, expected {want} ({why}).")
     if updates.dtype != var.dtype:
@@ -132,7 +166,7 @@ def scatter(var: Variable, sparse_delta: Any, op: str) -> jax.Array:
     return _combine(value, indices[..., None], 1, updates, op.removeprefix("scatter_"))
 
 
-def _depth(var: Variable, indices: jax.Array, op: str) -> int:
+def _depth(var: Variable, indices: jax.Array | np.ndarray, op: str) -> int:
     """How many leading dimensions each index row of TF's `*_nd` ops addresses: the last dimension of `indices`."""
     depth = indices.shape[-1] if indices.ndim else 0
     if not 1 <= depth <= len(var.shape):

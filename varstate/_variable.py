@@ -19,7 +19,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from varstate import _scatter
-from varstate._array_ops import _ArrayOps, _unwrap
+from varstate._array_ops import _ArrayOps, _check_lossless, _overflow_error, _unwrap
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import ArrayImpl, Tracer, in_transformation, is_deleted_array
 from varstate._registry import Registry, _next_resource_id, _scoped
@@ -220,8 +220,17 @@ def _as_value(value: Any, dtype: Any, what: str, copy: bool = True) -> Any:
             f"{what}: expected an array, a Python number or a nested list of numbers, "
             f"got {type(value).__name__}. Pass jnp.asarray(...) of the value."
         )
+    if dtype is not None and isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.inexact) and not (
+            jnp.issubdtype(dtype, jnp.inexact)):
+        # TF converts no Tensor to another dtype: a float one would lose its fractions here.
+        raise TypeError(
+            f"{what}: cannot convert a {value.dtype} array to {dtype}: it would drop the fractional part. "
+            f"Round or cast it first (jnp.round(x).astype({dtype}))."
+        )
     try:
         out = jnp.asarray(value, dtype=dtype)
+    except OverflowError:
+        raise _overflow_error(value, dtype, what) from None
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what}: cannot convert {type(value).__name__} to an array: {e}") from None
     if jax.typeof(out).weak_type:
@@ -230,14 +239,7 @@ def _as_value(value: Any, dtype: Any, what: str, copy: bool = True) -> Any:
         out = jax.lax.convert_element_type(out, out.dtype)
     elif copy and out is value:  # the caller's own jax.Array (numpy and Python values are copied by asarray)
         out = _copy(out)
-    if isinstance(value, (float, complex, list, tuple)) and jnp.issubdtype(out.dtype, jnp.integer):
-        exact = np.asarray(value)
-        if not np.issubdtype(exact.dtype, np.integer) and not np.array_equal(exact, out):
-            # As TF's conversion of Python numbers: no silent truncation.
-            raise TypeError(
-                f"{what}: cannot convert {value!r:.60} to {out.dtype} without losing its fractional part; "
-                "pass an integer."
-            )
+    _check_lossless(value, out, what)  # as TF's conversion of Python numbers: no silent truncation
     return out
 
 
@@ -326,8 +328,9 @@ class Variable(_ArrayOps):
         elif not isinstance(trainable, (bool, np.bool_)):
             raise TypeError(f"Variable trainable must be a bool, got {type(trainable).__name__}.")
         elif trainable and synchronization == VariableSynchronization.ON_READ:
+            who = "A new Variable (no name given)" if name is None else f"Variable {name!r}"
             raise ValueError(
-                f"Variable {name!r}: synchronization ON_READ is only allowed for non-trainable "
+                f"{who}: synchronization ON_READ is only allowed for non-trainable "
                 "variables; pass trainable=False."
             )
         if dtype is not None:
