@@ -4,7 +4,9 @@ Shared by `Variable` and `AutoCastVariable`: each defines `read_value()`,
 and every operator applies to what it returns (an AutoCastVariable's read is
 the cast one). Operands that are variables are read through their `value`.
 
-`jnp` and `jax.nn` functions take a variable through `__jax_array__`. `lax`
+`jnp` and `jax.nn` functions are jitted: they take a variable as a pytree (its
+value; its handle in the cache key), and an unjitted one reads it through
+`__jax_array__`. `lax`
 primitives do not consult it: they convert each operand through JAX's
 canonicalization table, where `_ArrayOps` is registered too, so `lax.add(v, x)`
 works and so do custom JVP rules that hand a variable's tangent (itself a
