@@ -43,6 +43,7 @@ from checkpoint._export._format import (
     Asset,
     seal_problem,
 )
+from checkpoint._graph._build import PRNG_KEY_IMPL
 from checkpoint._storage import EXPORT_FILE, SAVED_MODEL_FILE, VARIABLES_PREFIX, BundleReader
 from checkpoint.protos import saved_object_graph_pb2 as pb
 from varstate import Registry, Variable, VariableAggregation, VariableSynchronization, _seam
@@ -82,6 +83,8 @@ def _fit(value: Any, aval: Any) -> Any:
     goes back to int32 (it was int32 when traced, so it fits).
     """
     dtype = getattr(value, "dtype", None)
+    if not isinstance(aval.dtype, np.dtype):  # a PRNG key: rebuilt with its implementation, checked at load
+        return value
     same_kind = dtype is not None and np.dtype(dtype).kind == np.dtype(aval.dtype).kind
     if same_kind and dtype != aval.dtype and jax.dtypes.canonicalize_dtype(aval.dtype) == aval.dtype:
         return jnp.asarray(value).astype(aval.dtype)
@@ -375,14 +378,15 @@ class _Loader:
         shape, dtype = tuple(d.size for d in sv.shape.dim), _dtypes.BY_ENUM.get(sv.dtype)
         if value.shape != shape or value.dtype != dtype:
             raise self.fail(i, f"stored value is {value.dtype}{list(value.shape)}, the graph says {dtype}{list(shape)}")
-        held = _dtypes.narrow_to_held(value, self.names[i], attrs[0].checkpoint_key)
+        data = _dtypes.narrow_to_held(value, self.names[i], attrs[0].checkpoint_key)
+        held = self.key_or_value(i, data)
         try:
             var = Variable(jnp.asarray(held), name=sv.name or None, trainable=sv.trainable,
                            synchronization=VariableSynchronization(sv.synchronization),
                            aggregation=VariableAggregation(sv.aggregation), registry=self.registry)
         except (ValueError, TypeError) as e:
             raise self.fail(i, str(e)) from None
-        if held.dtype != value.dtype:  # saved again as it was (TF's int64 global step)
+        if data.dtype != value.dtype:  # saved again as it was (TF's int64 global step)
             var = _seam.record_saved_dtype(var, value.dtype)
         return var
 
@@ -392,7 +396,32 @@ class _Loader:
         if key.endswith(_keys.value_suffix(_keys.PY_STATE)):  # a Python scalar
             item = value.item()
             return item.decode() if isinstance(item, bytes) else item
-        return jnp.asarray(_dtypes.narrow_to_held(value, self.names[i], key))
+        return self.key_or_value(i, jnp.asarray(_dtypes.narrow_to_held(value, self.names[i], key)))
+
+    def key_or_value(self, i: int, data: Any) -> Any:
+        """The PRNG key that node `i`'s key data `data` stands for, or `data` itself for a node that holds no key.
+
+        `export` stores a key as `Checkpoint` does: its key data under VARIABLE_VALUE and, on the same node of the
+        variables' object graph, the name of its implementation under PRNG_KEY_IMPL.
+        """
+        attrs = self.ckpt_graph.nodes[i].attributes if self.ckpt_graph and i < len(self.ckpt_graph.nodes) else []
+        impl_key = next((a.checkpoint_key for a in attrs if a.name == PRNG_KEY_IMPL), None)
+        if impl_key is None:
+            return data
+        names = np.asarray(self.value(i, impl_key)).reshape(-1)
+        name = names[0] if names.size == 1 else None
+        name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+        if not isinstance(name, str):
+            raise self.fail(i, f"its PRNG key implementation {impl_key!r} should be one string, found "
+                               f"{names.size} value(s) of dtype {names.dtype} (the export is corrupt); export the "
+                               "model again")
+        try:
+            return jax.random.wrap_key_data(jnp.asarray(data), impl=name)
+        except (ValueError, TypeError, KeyError) as e:
+            problem = (f"its key data ({data.dtype}{list(data.shape)}) is not a PRNG key of implementation {name!r} "
+                       f"({type(e).__name__}: {e}); the export is corrupt or was made by a JAX with implementations "
+                       "this one lacks: load it with that JAX, or export it again")
+            raise self.fail(i, problem) from None
 
     def asset(self, i: int, asset: pb.SavedAsset) -> Asset:
         index = asset.asset_file_def_index
@@ -451,4 +480,13 @@ class _Loader:
         if exported.in_tree.children()[0].children()[0].num_leaves != len(captured):  # ((captured, *args), {})
             raise self.fail(i, f"function {name!r} takes a different number of captured inputs than its "
                                f"{len(captured)} bound_inputs")
+        for n, c, aval in zip(self.graph.concrete_functions[name].bound_inputs, captured,
+                              exported.in_avals[:len(captured)], strict=True):
+            found = getattr(c.value if isinstance(c, Variable) else c, "dtype", None)
+            # A PRNG key's dtype names its implementation: one of another (or a key where numbers were traced, or
+            # numbers where a key was) would fail inside the call, with nothing naming the value.
+            keys = [d for d in (found, aval.dtype) if d is not None and not isinstance(d, np.dtype)]
+            if keys and found != aval.dtype:
+                raise self.fail(i, f"function {name!r} reads {self.names[n]} as {aval.dtype}, but the export holds "
+                                   f"it as {found} (the export is inconsistent); export the model again")
         return Signature(label, exported, captured, self.dir)

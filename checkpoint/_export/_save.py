@@ -38,6 +38,7 @@ from checkpoint._export._format import (
     Asset,
     seal,
 )
+from checkpoint._graph import _walk
 from checkpoint._storage import EXPORT_FILE
 from checkpoint._storage._bundle_writer import tf_tensors
 from checkpoint._storage._files import replacing
@@ -60,7 +61,9 @@ def export(directory: str | os.PathLike, root: Any,
     of `root` that `fn` reads become inputs of the exported function, so the
     loaded one computes with the restored values; anything else `fn` closes
     over is baked in. `platforms` (e.g. ``("cpu", "cuda")``) defaults to the
-    current backend.
+    current backend. A PRNG key array (bare or in a Variable) is stored as
+    a checkpoint stores it, its key data and implementation's name, and
+    `load` gives back the key.
 
     Args:
         directory: where to write; it must not exist or be empty.
@@ -134,6 +137,7 @@ def checked_target(who: str, directory: str | os.PathLike, root: Any) -> str:
     if _graph.kind(root) != _graph.Kind.CONTAINER or isinstance(root, Asset):
         raise TypeError(f"{who}: root must be a container pytree (dict, list, dataclass, ...), got "
                         f"{type(root).__name__}; wrap it, e.g. {{'model': root}}.")
+    _walk.leaves(root, f"{who}'s root")  # a dict JAX cannot flatten, named before anything is traced
     return directory
 
 
@@ -146,8 +150,15 @@ def _describe_value(out: pb.SavedObject, s: _graph.Saveable, path: str) -> None:
         out.constant.operation = s.key  # the value's key in the variables bundle
         return
     v = out.variable
-    v.dtype = _dtypes.ENUM_OF.get(_seam.saved_dtype(var), types_pb2.DT_INVALID)  # as stored in the bundle
-    v.shape.dim.extend(TensorShapeProto.Dim(size=d) for d in var.shape)
+    if _walk.is_prng_key(var.value):
+        # Described as the key data the bundle holds; `load` rebuilds the key from it and the node's
+        # PRNG_KEY_IMPL value in the variables' object graph, as a checkpoint restore does.
+        data = jax.eval_shape(jax.random.key_data, var.value)
+        dtype, shape = np.dtype(data.dtype), data.shape
+    else:
+        dtype, shape = _seam.saved_dtype(var), var.shape
+    v.dtype = _dtypes.ENUM_OF.get(dtype, types_pb2.DT_INVALID)  # as stored in the bundle
+    v.shape.dim.extend(TensorShapeProto.Dim(size=d) for d in shape)
     v.trainable, v.name = var.trainable, var.name
     v.synchronization = int(var.synchronization)  # type: ignore[assignment]  # the proto's enum: TF's, same values
     v.aggregation = int(var.aggregation)  # type: ignore[assignment]  # the proto's enum: TF's, same values

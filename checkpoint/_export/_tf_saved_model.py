@@ -155,8 +155,9 @@ def export_saved_model(directory: str | os.PathLike, root: Any,
             "shared_name": _attr(s=name.encode())})
     sig_map = len(saved.nodes)
     _save._describe_container(_save._add_child(saved, 0, SIGNATURES), None, SIGNATURE_MAP)
+    arrays = {i for i in variables if _graph.as_variable(graph.objects[i]) is None}
     for k, (name, entry) in enumerate(sorted(signatures.items(), key=lambda kv: str(kv[0]))):
-        _signature(gdef, meta, saved, sig_map, name, entry, k, root, variables, handles, taken,
+        _signature(gdef, meta, saved, sig_map, name, entry, k, root, variables, arrays, handles, taken,
                    _unique("StatefulPartitionedCall", taken), platforms)
     _saver(gdef, meta, variables, handles, taken, tensors[_keys.OBJECT_GRAPH_KEY])
     meta.object_graph_def.CopyFrom(saved)
@@ -292,9 +293,12 @@ def _check_exported(exported: jax.export.Exported, sig: str) -> None:
 
 
 def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObjectGraph, sig_map: int, name: Any,
-               entry: Any, k: int, root: Any, variables: dict[int, TFVariable], handles: dict[int, str],
-               taken: set[str], call: str, platforms: tuple[str, ...]) -> None:
-    """Adds signature `name`: its function, its placeholders and call in the graph, its SignatureDef and node."""
+               entry: Any, k: int, root: Any, variables: dict[int, TFVariable], arrays: set[int],
+               handles: dict[int, str], taken: set[str], call: str, platforms: tuple[str, ...]) -> None:
+    """Adds signature `name`: its function, its placeholders and call in the graph, its SignatureDef and node.
+
+    `arrays` are the nodes of `variables` that hold a plain array of the root rather than a Variable.
+    """
     if not isinstance(name, str) or not _KEY.fullmatch(name):
         raise ValueError(f"export_saved_model: signature name {name!r} is not an identifier (letters, digits, "
                          "_); TF serves signatures by such names, e.g. 'serving_default'.")
@@ -310,7 +314,16 @@ def _signature(gdef: gpb.GraphDef, meta: mpb.MetaGraphDef, saved: pb.SavedObject
     exported, bound = _export(fn, root, saved, handles, arg_specs, platforms, name)
     _check_exported(exported, name)
     for node, aval in zip(bound, exported.in_avals, strict=False):
-        if np.dtype(aval.dtype) != variables[node][1]:
+        stored, read = variables[node][1], np.dtype(aval.dtype)
+        if read != stored and node in arrays:
+            # A numpy 64-bit array with JAX's 64-bit types off: the trace narrowed it, TF would not.
+            raise TypeError(f"export_saved_model: {saved.nodes[node].variable.name!r} is a plain numpy {stored} "
+                            f"array (not a Variable), but signature {name!r} reads it as {read} (JAX narrows it "
+                            f"while 64-bit types are off); TF reads a value in its stored dtype. Store it as "
+                            f"np.{read.name} in the root (np.asarray(value, np.{read.name})), or export with "
+                            "jax.config.update('jax_enable_x64', True) so that the function reads it as "
+                            f"{stored}.")
+        if read != stored:
             raise TypeError(f"export_saved_model: Variable {saved.nodes[node].variable.name!r} is stored as "
                             f"{variables[node][1]} but signature {name!r} reads it as {np.dtype(aval.dtype)}; TF "
                             "reads a variable in its stored dtype. Store it in the dtype it is read in.")

@@ -22,6 +22,7 @@ from checkpoint._graph._walk import (
     is_prng_key,
     key_impl,
     kind,
+    leaves,
     linked_slots,
     unwrap,
     variable_of,
@@ -83,7 +84,8 @@ def build(roots: dict[str, Any]) -> Graph:
         for name, child in kids:
             k = kind(child)
             var = variable_of(child) if k == Kind.VARIABLE else None
-            if k == Kind.NONE or (k == Kind.CONTAINER and not jax.tree.leaves(child) and not has_python(child)):
+            if k == Kind.NONE or (k == Kind.CONTAINER and not leaves(child, f"{parent_label}.{name}")
+                                  and not has_python(child)):
                 continue
             ident = ("v", var.resource_id) if var is not None else identity(child, k)
             node_id = node_of.get(ident) if ident is not None else None

@@ -124,6 +124,67 @@ def kind(obj: Any) -> Kind:
     return Kind.CONTAINER
 
 
+def leaves(obj: Any, where: str) -> list[Any]:
+    """`jax.tree.leaves(obj)`, with a message naming `where` and the keys when a dict's keys do not sort."""
+    try:
+        return jax.tree.leaves(obj)
+    except ValueError:
+        _check_sortable(obj, where)
+        raise
+
+
+def _check_sortable(obj: Any, where: str) -> None:
+    """A ValueError naming the dict and keys if JAX cannot flatten `obj` because a dict's keys do not sort.
+
+    Asked once JAX has failed, whose own error ("Comparator raised exception while sorting pytree dictionary
+    keys") names neither.
+    """
+    try:
+        jax.tree_util.tree_structure(obj)
+    except ValueError:
+        found = _unsortable_dict(obj, ())
+        if found is None:  # another ValueError (a custom pytree's flatten): JAX's own says more
+            raise
+        path, (a, b) = found
+        at = f"its dict at {'.'.join(path)} has" if path else "it is a dict with"
+        same = f" Both would be saved as the child {str(a)!r}, so rename one as well." if str(a) == str(b) else ""
+        raise ValueError(
+            f"Cannot checkpoint {where}: {at} keys {a!r} ({type(a).__name__}) and {b!r} ({type(b).__name__}), "
+            "which JAX cannot sort to flatten the dict (it orders a dict's children by key, and these do not "
+            f"compare). Use keys of one type, e.g. all str ({{str(k): v for k, v in d.items()}}).{same}"
+        ) from None
+
+
+def _unsortable_dict(obj: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[Any, Any]] | None:
+    """(local names leading to it, two keys) for the first dict in `obj` whose keys JAX cannot sort, or None."""
+    try:
+        pairs, _ = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    except ValueError:
+        clash = _clashing_keys(list(obj)) if isinstance(obj, dict) else None
+        return None if clash is None else (path, clash)
+    for entry, child in pairs:
+        if entry:  # an empty path: `obj` is a leaf
+            found = _unsortable_dict(child, (*path, _keys.local_name(entry[0])))
+            if found is not None:
+                return found
+    return None
+
+
+def _clashing_keys(keys: list[Any]) -> tuple[Any, Any] | None:
+    """Two of `keys` that do not compare, or None (one key of each type is tried, so a large dict costs little)."""
+    first_of: dict[type, Any] = {}
+    for k in keys:
+        first_of.setdefault(type(k), k)
+    firsts = list(first_of.values())
+    for i, a in enumerate(firsts):
+        for b in firsts[i + 1:]:
+            try:
+                _ = a < b, b < a
+            except TypeError:
+                return a, b
+    return None
+
+
 def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
     """An object's direct dependencies as (local name, child), in pytree order."""
     if isinstance(obj, OptimizerState):
@@ -143,7 +204,11 @@ def children(obj: Any, where: str = "an object") -> list[tuple[str, Any]]:
 
 def _flatten_one(obj: Any, where: str) -> tuple[list, Any]:
     """One level of a container's pytree; a ValueError naming `where` if `obj` is a leaf of no supported kind."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    try:
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    except ValueError:
+        _check_sortable(obj, where)
+        raise
     if pairs and not pairs[0][0]:
         raise ValueError(
             f"Cannot checkpoint {where}: {type(obj).__name__} {obj!r:.60} is not a Variable, PartitionedVariable, "

@@ -266,6 +266,7 @@ def load_optimizer_state(
     where = os.fspath(path)
     if isinstance(where, str) and os.path.isfile(where) and (zipfile.is_zipfile(where) or _hdf5.is_hdf5(where)):
         return _load_h5(where, optimizer, _read.load_weights(where) if params is None else params)
+    _read.missing_file(where, "load_optimizer_state")
     reader = _storage.open_reader(where)
     if reader.object_graph is None:
         raise CheckpointFormatError(f"{where}: a name-based checkpoint (TF1 Saver) holds no Keras optimizer")

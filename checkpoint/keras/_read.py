@@ -303,8 +303,25 @@ def load_weights(
             f"{path}: not a Keras weights file: expected an HDF5 file (.weights.h5, .h5), a .keras archive, "
             "or a TF checkpoint prefix (the path before '.index')"
         )
+    missing_file(path, "load_weights")
     # open_reader's FileNotFoundError says what it expected.
     return _read_tf_checkpoint(_storage.open_reader(path), path, node, registry)
+
+
+KERAS_SUFFIXES = (".weights.h5", ".h5", ".hdf5", ".keras")
+
+
+def missing_file(path: str, who: str) -> None:
+    """Raises FileNotFoundError when nothing is at `path`: no file, directory, nor TF checkpoint prefix."""
+    if os.path.lexists(path) or os.path.lexists(path + ".index"):
+        return  # a file, a checkpoint directory or a prefix: the reader that takes it says what is wrong
+    # A name Keras gives its files cannot be a checkpoint prefix: the file alone is missing.
+    prefix = "" if path.endswith(KERAS_SUFFIXES) else f", and it is no TF checkpoint prefix (no {path}.index)"
+    parent = os.path.dirname(os.path.abspath(path))
+    where = "" if os.path.isdir(parent) else f" (its directory {parent} does not exist either)"
+    raise FileNotFoundError(f"{who}: {path} does not exist: no such file or directory{where}{prefix}. Check the path "
+                            "(a Keras model writes it with model.save_weights('name.weights.h5') or model.save("
+                            "'name.keras')).")
 
 
 # --- Keras 3 .weights.h5 ----------------------------------------------------------------------

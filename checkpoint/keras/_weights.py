@@ -141,12 +141,20 @@ def _plan(weights: Mapping, layout: Sequence[LayerLayout], source: str) -> list[
                                  f"{lay.name!r} stores {list(lay.weights)})")
             value = _as_numpy(node[name])
             if lay.shapes and value.shape != lay.shapes[i]:
+                want_shape = lay.shapes[i]
+                # A (out, in) kernel from another framework is the common case of a reversed 2-d shape.
+                transposed = len(want_shape) == 2 and value.shape == want_shape[::-1]
+                flipped = (f"it looks transposed: pass its transpose (.T) in Keras's {want_shape} layout, or "
+                           if transposed else "pass a value of that shape, or ")
                 raise ValueError(f"{'/'.join(full)!r} has shape {value.shape}, but the Keras layout{of} has "
-                                 f"{lay.shapes[i]}")
+                                 f"{want_shape}, so Keras's model.load_weights would refuse the file; {flipped}"
+                                 "pass like= a file Keras wrote for the model these weights belong to")
             if lay.dtypes and value.dtype.name != lay.dtypes[i]:
                 want = np.dtype(_dtypes.BY_NAME.get(lay.dtypes[i], lay.dtypes[i]))
                 if _dtypes.held_as(want) != value.dtype:  # only a value JAX narrowed goes back to its stored type
-                    raise ValueError(f"{'/'.join(full)!r} is {value.dtype}, but the Keras layout{of} stores {want}")
+                    raise ValueError(f"{'/'.join(full)!r} is {value.dtype}, but the Keras layout{of} stores {want}; "
+                                     f"cast it (value.astype({want.name!r})), or pass like= a file Keras wrote for "
+                                     f"the model with {value.dtype} weights")
                 value = value.astype(want)
             values.append(value)
             used.add(full)
@@ -320,10 +328,19 @@ def _fit(name: str, leaf: Any, source: str, value: Any, hint: str) -> Any:
     value = _as_numpy(value)
     shape = tuple(np.shape(leaf))
     if value.shape != shape:
+        # A weight chosen through name_map comes with no hint: the map itself is what to check.
+        hint = hint or "; check name_map, which maps this leaf to that weight"
         raise ValueError(f"target leaf {name!r} has shape {shape}, but Keras weight {source!r} has {value.shape}{hint}")
     want = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else value.dtype
     if want != value.dtype and _family(want) != _family(value.dtype):
-        raise ValueError(f"target leaf {name!r} is {want}, but Keras weight {source!r} is {value.dtype}")
+        family = _family(value.dtype)
+        # Paired by position, the weight may be another leaf's; by name_map, the map may be wrong.
+        pairing = ("" if hint == SAME_NAMES else "; or fix name_map, if that is not this leaf's weight" if not hint
+                   else "; or, if the leaves pair with Keras's weights in another order, pass a name_map")
+        raise ValueError(f"target leaf {name!r} is {want}, but Keras weight {source!r} is {value.dtype}: a weight "
+                         f"loads into a leaf of any {family} precision, never into one of kind {_family(want)}. Make "
+                         f"the leaf {family} (e.g. {value.dtype.name}) as in the model that wrote the file"
+                         f"{pairing}")
     out = jnp.asarray(value.astype(want, copy=False))
     sharding = getattr(leaf, "sharding", None)
     return jax.device_put(out, sharding) if sharding is not None else out
