@@ -60,7 +60,9 @@ def test_loss_scale_optimizer_passes_extra_args_to_its_inner_optimizer():
             assert state.non_slot("scale").value == ref_scale
 
 
-def test_lbfgs_gets_value_grad_and_value_fn():
+@pytest.mark.parametrize("via", ["update in a jit", "apply_gradients"])
+def test_lbfgs_gets_value_grad_and_value_fn(via):
+    # apply_gradients takes the function value_fn as part of its compiled step's key (a static jit argument).
     target = jnp.array([1.0, -2.0])
 
     def f(p):  # value_fn sees the params as arrays, with the params' structure
@@ -85,7 +87,11 @@ def test_lbfgs_gets_value_grad_and_value_fn():
         return optax.apply_updates(ref, updates), ref_state
 
     for _ in range(5):
-        params, state = step(params, state)
+        if via == "apply_gradients":
+            value, grad = jax.value_and_grad(f)(varstate.values(params))
+            params, state = opt.apply_gradients(grad, params, state, value=value, grad=grad, value_fn=f)
+        else:
+            params, state = step(params, state)
         ref, ref_state = ref_step(ref, ref_state)
         np.testing.assert_array_equal(params["w"].value, ref["w"])
     np.testing.assert_allclose(params["w"].value, target, atol=1e-5)
@@ -103,25 +109,3 @@ def test_missing_or_unexpected_extra_args_are_optax_errors():
     gd = GradientDescent(0.1)
     with pytest.raises(TypeError, match="unexpected keyword argument 'value'"):
         gd.update([jnp.ones(2)], p, gd.init(p), value=1.0)
-
-
-def test_apply_gradients_passes_a_function_argument_as_part_of_the_steps_key():
-    # lbfgs's value_fn cannot be an array argument of the compiled step: it is a static one, as with jax.jit.
-    target = jnp.array([1.0, -2.0])
-
-    def f(p):
-        return jnp.sum((p["w"] - target) ** 2 * jnp.array([1.0, 10.0]))
-
-    opt = from_optax(optax.lbfgs())
-    params = {"w": varstate.Variable(jnp.zeros(2), name="w")}
-    state = opt.init(params)
-    ref_tx = optax.lbfgs()
-    ref = {"w": jnp.zeros(2)}
-    ref_state = ref_tx.init(ref)
-    for _ in range(4):
-        value, grad = jax.value_and_grad(f)(varstate.values(params))
-        params, state = opt.apply_gradients(grad, params, state, value=value, grad=grad, value_fn=f)
-        value, grad = jax.value_and_grad(f)(ref)
-        updates, ref_state = ref_tx.update(grad, ref_state, ref, value=value, grad=grad, value_fn=f)
-        ref = optax.apply_updates(ref, updates)
-        np.testing.assert_array_equal(params["w"].value, ref["w"])
