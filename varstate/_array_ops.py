@@ -68,7 +68,14 @@ def _as_array(value: Any, dtype: Any, what: str) -> Any:
 
 
 def _check_lossless(value: Any, out: Any, what: str) -> None:
-    """Refuses `out`, the conversion of the Python `value`, if it dropped a fraction (TF's conversion refuses)."""
+    """Refuses `out`, the conversion of `value`, if it dropped a Python float's fraction (TF's conversion refuses)
+    or wrapped a numpy integer that its dtype cannot hold (an int64 with JAX's 64-bit types off)."""
+    if (isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "iu" and out.dtype.kind in "iu"
+            and value.size and not np.can_cast(value.dtype, out.dtype)):
+        info = np.iinfo(out.dtype)
+        low, high = value.min(), value.max()
+        if low < info.min or high > info.max:
+            raise _overflow_error(int(high if high > info.max else low), out.dtype, what)
     if isinstance(value, (float, complex, list, tuple)) and jnp.issubdtype(out.dtype, jnp.integer):
         exact = np.asarray(value)
         if not np.issubdtype(exact.dtype, np.integer) and not np.array_equal(exact, out):

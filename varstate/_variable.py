@@ -469,7 +469,9 @@ class Variable(_ArrayOps):
         elif not hasattr(value, "shape") or not hasattr(value, "dtype") or isinstance(value, jax.ShapeDtypeStruct):
             raise TypeError(f"Variable {self.name!r}.{op}: expected an array, got {type(value).__name__}.")
         elif isinstance(value, (np.ndarray, np.generic)) and np.can_cast(value.dtype, dtype, "same_kind"):
+            given = value
             value = jnp.asarray(value, dtype)  # as TF converts a numpy value (float64 -> float32)
+            _check_lossless(given, value, f"Variable {self.name!r}.{op}")  # an int64 wrapped into int32: refused
         elif value.dtype != dtype:
             raise TypeError(
                 f"Variable {self.name!r}.{op}: dtype mismatch: the variable is {dtype}, "

@@ -202,3 +202,20 @@ def test_an_int_past_a_narrow_dtype_suggests_a_wider_dtype(reg):
             "Variable 'small'.assign: [300, 1] does not fit in uint8 (range 0..255); pass a value in that range, "
             "or create the variable with a wider dtype.")):
         v.assign([300, 1])
+
+
+def test_a_numpy_int64_value_that_int32_cannot_hold_is_refused_not_wrapped(reg):
+    # With 64-bit types off JAX holds int64 as int32: a numpy int64 past its range would wrap (2**40 -> 0).
+    v = Variable(jnp.zeros(2, jnp.int32), name="c", registry=reg)
+    fix = ("JAX's 64-bit types are off, so int64 is held as int32: turn them on at startup with "
+           "jax.config.update(\"jax_enable_x64\", True), then pass an int64 value (np.int64(...)) to an int64 "
+           "variable.")
+    for op, call in (("assign", v.assign), ("assign_add", v.assign_add)):
+        with pytest.raises(OverflowError, match=re.escape(
+                f"Variable 'c'.{op}: {2**40} does not fit in int32 (range -2147483648..2147483647); {fix}")):
+            call(np.array([2**40, 1]))
+    with pytest.raises(OverflowError, match=re.escape(f"Variable 'd' initial_value: {-(2**35)} does not fit in int32")):
+        Variable(np.array([1, -(2**35)]), name="d", registry=reg)
+    with pytest.raises(OverflowError, match=re.escape("Variable 'c'.scatter_update: 4294967296 does not fit in int32")):
+        v.scatter_update(IndexedSlices(np.array([2**32]), np.array([0]), (2,)))
+    assert v.assign(np.array([7, -8])).value.tolist() == [7, -8]  # in range: converted, as TF converts numpy
