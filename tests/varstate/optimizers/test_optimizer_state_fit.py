@@ -157,7 +157,7 @@ def test_update_under_a_callers_jit_names_the_missing_slot_and_the_fix():
     old = Variable(jnp.ones(2), name="old")
     state = opt.init({"w": old})
     params = {"w": Variable(jnp.ones(2), name="new")}
-    want = (r"apply_gradients: no slot 'm' for 'new(_\d+)?' \(params\['w'\]\): the state holds the slot of another "
+    want = (r"Adam.update: no slot 'm' for 'new(_\d+)?' \(params\['w'\]\): the state holds the slot of another "
             r"variable \('old(_\d+)?/m'\) there\. The state was made for other params \(a grown model, another "
             r"model's state\)\. apply_gradients creates the missing state, as TF's optimizers do, unless the state "
             r"holds slots of other Variables \(then it raises; reinitialize_slots=True makes fresh slots\); inside "
@@ -168,14 +168,14 @@ def test_update_under_a_callers_jit_names_the_missing_slot_and_the_fix():
     new, new_state = jax.jit(opt.update)({"w": jnp.ones(2)}, params, opt.init(params, state, reinitialize_slots=True))
     assert new_state.get_slot(new["w"], "m") is not None
     no_non_slots = OptimizerState(slots=opt.init(params).slots, non_slots={})
-    with pytest.raises(ValueError, match=r"apply_gradients: the state has no non-slot variable 'beta1_power' \(it "
+    with pytest.raises(ValueError, match=r"Adam.update: the state has no non-slot variable 'beta1_power' \(it "
                                          r"has \[\]\); it was made by another optimizer\. apply_gradients creates "
                                          r"it; inside your own jit, call `state = opt\.init\(params, state\)` first"):
         opt.update({"w": jnp.ones(2)}, params, no_non_slots)
-    with pytest.raises(ValueError, match=r"apply_gradients: the state has no 'm' slots \(it has \[\]\)\. The state "
+    with pytest.raises(ValueError, match=r"Adam.update: the state has no 'm' slots \(it has \[\]\)\. The state "
                                          r"was made for other params"):
         opt.update({"w": jnp.ones(2)}, params, GradientDescent(0.1).init(params))
-    with pytest.raises(ValueError, match=r"apply_gradients: state\.slots\['m'\] does not have the structure of "
+    with pytest.raises(ValueError, match=r"Adam.update: state\.slots\['m'\] does not have the structure of "
                                          r"params\."):
         opt.update({"w": jnp.ones(2), "b": jnp.ones(2)}, {**params, "b": jnp.ones(2)}, opt.init(params))
 

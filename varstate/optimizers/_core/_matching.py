@@ -9,6 +9,9 @@ variable found at several places (tied weights) are summed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -20,6 +23,26 @@ from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import Tracer
 from varstate._variable import Variable
 from varstate.optimizers._core._rows import add_rows
+
+# The entry point a step's messages name: `apply_gradients` sets it for its whole call, an optimizer's `update`
+# called on its own (eagerly or in the user's jit) for its own; None: neither is running.
+_entry: contextvars.ContextVar[str | None] = contextvars.ContextVar("varstate_step_entry", default=None)
+
+
+def entry() -> str:
+    """``apply_gradients`` or ``Adam.update``: where a message of the running step says it happened."""
+    return _entry.get() or "apply_gradients"
+
+
+@contextlib.contextmanager
+def entered(name: str) -> Iterator[None]:
+    """Makes `name` the entry point of the messages raised inside, unless one is running already."""
+    token = _entry.set(name) if _entry.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _entry.reset(token)
 
 
 def is_var(x: Any) -> bool:
@@ -125,7 +148,7 @@ def flatten_grads(grads: Any, params: Any) -> tuple[list, list, Any, list]:
         g_leaves = p_def.flatten_up_to(grads)
     except (ValueError, TypeError):
         raise ValueError(
-            f"apply_gradients: grads do not have the structure of params; first difference: "
+            f"{entry()}: grads do not have the structure of params; first difference: "
             f"{first_difference(grads, params)}. Pass grads with exactly the structure of params "
             "(None for a param without gradient)."
         ) from None
@@ -159,7 +182,7 @@ def check_indices_range(indices: Any, nrows: int, label: str) -> None:
     if bad.size:
         k = int(bad[0])
         raise IndexError(
-            f"apply_gradients: IndexedSlices gradient for {label}: index {int(idx[k])} at offset {k} in "
+            f"{entry()}: IndexedSlices gradient for {label}: index {int(idx[k])} at offset {k} in "
             f"indices is out of range for a first dimension of size {nrows} (valid: 0..{nrows - 1})."
         )
 
@@ -168,7 +191,7 @@ def convert_grad(g: Any, var: Any, label: str) -> Any:
     """The gradient as an array or IndexedSlices of values, checked against the variable."""
     if not jnp.issubdtype(var.dtype, jnp.inexact):
         raise ValueError(
-            f"apply_gradients: {label} has dtype {var.dtype}; optimizers update floating-point or complex "
+            f"{entry()}: {label} has dtype {var.dtype}; optimizers update floating-point or complex "
             "variables only (as TF's). Make it trainable=False, or pass None as its gradient."
         )
     if isinstance(g, IndexedSlices):
@@ -178,18 +201,18 @@ def convert_grad(g: Any, var: Any, label: str) -> Any:
             values, indices = jnp.asarray(values), jnp.asarray(indices)
         if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.ndim != 1:
             raise TypeError(
-                f"apply_gradients: IndexedSlices gradient for {label}: indices must be a 1-D integer array, "
+                f"{entry()}: IndexedSlices gradient for {label}: indices must be a 1-D integer array, "
                 f"got shape {tuple(indices.shape)} dtype {indices.dtype}."
             )
         if var.ndim == 0 or tuple(values.shape) != (indices.shape[0], *var.shape[1:]):
             raise ValueError(
-                f"apply_gradients: IndexedSlices gradient for {label}: values have shape {tuple(values.shape)}, "
+                f"{entry()}: IndexedSlices gradient for {label}: values have shape {tuple(values.shape)}, "
                 f"expected {(indices.shape[0], *var.shape[1:])} (indices shape {tuple(indices.shape)} + "
                 f"variable shape {tuple(var.shape)}[1:])."
             )
         if g.dense_shape is not None and tuple(g.dense_shape) != tuple(var.shape):
             raise ValueError(
-                f"apply_gradients: IndexedSlices gradient for {label}: dense_shape {tuple(g.dense_shape)} "
+                f"{entry()}: IndexedSlices gradient for {label}: dense_shape {tuple(g.dense_shape)} "
                 f"differs from the variable's shape {tuple(var.shape)}."
             )
         _check_dtype(values.dtype, var.dtype, label)
@@ -198,12 +221,12 @@ def convert_grad(g: Any, var: Any, label: str) -> Any:
         g = convert_to_tensor_or_indexed_slices(g)
     except TypeError:
         raise TypeError(
-            f"apply_gradients: gradient for {label} must be convertible to a Tensor or IndexedSlices, "
+            f"{entry()}: gradient for {label} must be convertible to a Tensor or IndexedSlices, "
             f"or None: got {type(g).__name__} {g!r:.60}."
         ) from None
     if tuple(g.shape) != tuple(var.shape):
         raise ValueError(
-            f"apply_gradients: gradient for {label} has shape {tuple(g.shape)}, "
+            f"{entry()}: gradient for {label} has shape {tuple(g.shape)}, "
             f"the variable has shape {tuple(var.shape)}."
         )
     _check_dtype(g.dtype, var.dtype, label)
@@ -213,7 +236,7 @@ def convert_grad(g: Any, var: Any, label: str) -> Any:
 def _check_dtype(got: Any, want: Any, label: str) -> None:
     if got != want:
         raise TypeError(
-            f"apply_gradients: gradient for {label} has dtype {got}, the variable has dtype {want}. "
+            f"{entry()}: gradient for {label} has dtype {got}, the variable has dtype {want}. "
             f"Cast the gradient with .astype({want})."
         )
 
@@ -238,7 +261,7 @@ def gradients_by_owner(p_leaves: list, g_leaves: list, paths: list, owners: list
         work[owners[i]] = g if owners[i] not in work else _sum_grads(work[owners[i]], g, array_of(p).shape)
     if not work:
         raise ValueError(
-            "apply_gradients: no gradients provided for any variable (every gradient is None or its "
+            f"{entry()}: no gradients provided for any variable (every gradient is None or its "
             f"variable is non-trainable): {[path_label(paths[i], p) for i, p in enumerate(p_leaves)]}."
         )
     return work

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from varstate._pack import Packed
+from varstate.optimizers._core._matching import entered
 from varstate.optimizers._core._state import OptimizerState
 
 # Keras (and tf.keras) keywords whose TF v1 counterpart is spelled too differently for difflib to find.
@@ -88,7 +89,8 @@ def guarded_update(update: Callable[..., Any]) -> Callable[..., Any]:
     def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
         if len(args) < 3 and "state" not in kwargs:
             raise missing_state(self, args)
-        return update(self, *args, **kwargs)
+        with entered(f"{type(self).__name__}.update"):
+            return update(self, *args, **kwargs)
 
     return checked
 

@@ -36,6 +36,7 @@ from varstate._variable import Variable
 from varstate.optimizers._core._matching import (
     array_of,
     cast_like,
+    entry,
     flatten_grads,
     gradients_by_owner,
     owner_positions,
@@ -328,7 +329,7 @@ def check_packed_grads(grads: Any, params: Packed) -> None:
     """ValueError unless `grads` are packed as `params` are (the gradients with respect to the `Packed`)."""
     if not isinstance(grads, Packed) or grads.layout is not params.layout:
         raise ValueError(
-            f"apply_gradients: params are packed (varstate.pack) but grads are {type(grads).__name__}"
+            f"{entry()}: params are packed (varstate.pack) but grads are {type(grads).__name__}"
             f"{' of another layout' if isinstance(grads, Packed) else ''}: take the gradients with respect to the "
             "Packed itself, e.g. jax.grad(lambda p: loss(p.unpack()))(packed), so that they come out packed alike."
         )

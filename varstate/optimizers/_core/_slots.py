@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from varstate._jax_compat import ArrayImpl
 from varstate._registry import outside_name_scopes
 from varstate._variable import Variable, owning_variable
-from varstate.optimizers._core._matching import array_of, is_var, path_label
+from varstate.optimizers._core._matching import array_of, entry, is_var, path_label
 from varstate.optimizers._core._packed import is_slot_leaf
 
 
@@ -152,7 +152,7 @@ def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list,
     """
     def mismatch(why: str) -> StateMismatchError:
         return StateMismatchError(
-            f"apply_gradients: {why} The state was made for other params (a grown model, another model's "
+            f"{entry()}: {why} The state was made for other params (a grown model, another model's "
             "state). apply_gradients creates the missing state, as TF's optimizers do, unless the state holds slots "
             "of other Variables (then it raises; reinitialize_slots=True makes fresh slots); inside your own jit, "
             "call `state = opt.init(params, state)` first (outside jit): it keeps the state's slots for these "
@@ -187,7 +187,7 @@ def check_slots(state: Any, names: Any, p_leaves: list, p_def: Any, paths: list,
                 raise mismatch(f"no slot {n!r} for {label}.")
             why = fit_error(n, s, label, need)
             if why is not None:
-                raise StateMismatchError(f"apply_gradients: {why}")
+                raise StateMismatchError(f"{entry()}: {why}")
     return out
 
 
@@ -195,7 +195,7 @@ def check_non_slots(state: Any, names: Any) -> None:
     missing = [n for n in names if n not in state.non_slots]
     if missing:
         raise StateMismatchError(
-            f"apply_gradients: the state has no non-slot variable {missing[0]!r} (it has {sorted(state.non_slots)}); "
+            f"{entry()}: the state has no non-slot variable {missing[0]!r} (it has {sorted(state.non_slots)}); "
             "it was made by another optimizer. apply_gradients creates it; inside your own jit, call "
             "`state = opt.init(params, state)` first (outside jit)."
         )

@@ -66,6 +66,7 @@ from varstate.optimizers._core._matching import (
     _is_leaf,
     _validate_grads,
     array_of,
+    entered,
     first_difference,
     is_var,
     owner_positions,
@@ -270,7 +271,12 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
                 f"(varstate.get_or_create_global_step()), got {type(global_step).__name__} {global_step!r:.60}."
             )
         assert_global_step(global_step)
-    opt = opt._compile_key()
+    with entered("apply_gradients"):  # its messages name it, also those raised inside the optimizer's update
+        return _apply_jitted(opt._compile_key(), grads, params, state, step, global_step, extra)
+
+
+def _apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step: Any, global_step: Any,
+                  extra: dict | None) -> tuple:
     use_global = global_step is not None and (
         step is None or (isinstance(step, Variable) and step._handle is global_step._handle))
     other = (None if use_global else step, {k: _Fixed(v) if callable(v) else v for k, v in (extra or {}).items()})

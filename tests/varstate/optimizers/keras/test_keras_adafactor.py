@@ -173,6 +173,6 @@ def test_errors():
                                          r"\(params\[0\]\) is 'other/kernel/r' with shape \(4,\) and dtype float32, "
                                          r"but the param needs shape \(3,\) and dtype float32"):
         opt.init([other._with_value(jnp.ones((3, 2)))], state)
-    with pytest.raises(ValueError, match=r"apply_gradients: the optimizer state does not fit the params: slot 'r' "
+    with pytest.raises(ValueError, match=r"Adafactor.update: the optimizer state does not fit the params: slot 'r' "
                                          r"of params\[0\] is the plain array there with shape \(4,\)"):
         opt.update([jnp.ones((3, 2))], [jnp.ones((3, 2))], opt.init([jnp.ones((4, 2))]))

@@ -243,6 +243,6 @@ def test_muon_errors():
     opt = keras.Muon()
     with pytest.raises(ValueError, match=r"no gradients provided for any variable"):
         opt.update([None], [w], opt.init([w]))
-    with pytest.raises(ValueError, match=r"apply_gradients: gradient for 'dense/kernel' \(params\[0\]\) has shape "
+    with pytest.raises(ValueError, match=r"Muon.update: gradient for 'dense/kernel' \(params\[0\]\) has shape "
                                          r"\(3, 2\), the variable has shape \(2, 2\)"):
         opt.update([jnp.ones((3, 2))], [w], opt.init([w]))
