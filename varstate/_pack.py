@@ -137,6 +137,8 @@ class Packed:
         Raises:
             ValueError: `params` has another structure, or a value another
                 shape, than this layout's.
+            TypeError: a value has another dtype than its buffer (never cast
+                silently).
         """
         layout = self.layout
         try:
@@ -154,7 +156,12 @@ class Packed:
                     what = f"Variable {leaves[i].name!r}" if isinstance(leaves[i], Variable) else f"leaf {i}"
                     raise ValueError(f"Packed.repacked: {what} must have shape {layout.places[i][2]}, as packed; "
                                      f"got {tuple(value.shape)}.")
-                parts.append(value.reshape(-1).astype(self.buffers[g].dtype))
+                want = self.buffers[g].dtype
+                if value.dtype != want:  # a cast here would be silent: float64 past float32's range became inf
+                    what = f"Variable {leaves[i].name!r}" if isinstance(leaves[i], Variable) else f"leaf {i}"
+                    raise TypeError(f"Packed.repacked: {what} must have dtype {want}, as packed; got {value.dtype}. "
+                                    f"Cast it first (x.astype(jnp.{want})), or pack the params again.")
+                parts.append(value.reshape(-1))
             buffers.append(joined(parts, self.buffers[g]))
         return Packed(tuple(buffers), tuple(loose), layout)
 

@@ -199,6 +199,9 @@ def test_errors_say_what_and_the_fix():
     with pytest.raises(ValueError, match=r"Packed.repacked: Variable 'wrong' must have shape \(2, 3\), as packed"):
         packed.repacked({k: (Variable(jnp.ones(3), name="wrong") if k == "e0" else v)
                          for k, v in packed.unpack().items()})
+    with pytest.raises(TypeError, match=r"Packed.repacked: leaf 0 must have dtype float32, as packed; got int32\. "
+                                        r"Cast it first \(x.astype\(jnp.float32\)\), or pack the params again\."):
+        packed.repacked({k: jnp.ones(v.shape, jnp.int32) for k, v in packed.unpack().items()})
 
 
 def test_a_donated_packed_names_its_variables_when_read():
