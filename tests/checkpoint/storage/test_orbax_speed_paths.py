@@ -145,17 +145,22 @@ def test_a_large_value_read_onto_a_sharding_fails_its_checksum_before_it_is_plac
 def test_a_value_file_cut_short_names_the_value_being_streamed(tmp_path):
     values = _large(300_000, 2)
     path = checkpoint.Checkpoint(**values).write(str(tmp_path / "c"))
-    data = values["w1"].tobytes()
+    # Orbax may write both arrays into one file, in either order: cut the one stored last in its file, so that
+    # only its final bytes go missing (cutting the first would take the other's bytes too).
+    ends = []
     for root, _, names in os.walk(os.path.join(path, "values")):
         for name in names:
-            with open(os.path.join(root, name), "r+b") as f:
+            with open(os.path.join(root, name), "rb") as f:
                 content = f.read()
-                if data in content:
-                    f.truncate(content.index(data) + len(data) - 8)
+            ends += [(content.index(v.tobytes()) + v.nbytes, k, os.path.join(root, name))
+                     for k, v in values.items() if v.tobytes() in content]
+    assert sorted(k for _, k, _ in ends) == ["w0", "w1"]
+    end, cut, file = max(ends)
+    os.truncate(file, end - 8)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     with pytest.raises(checkpoint.DataLossError, match=rf"^Checkpoint '{path}': cannot read stored values "
-                                                       r"\('w1/\.ATTRIBUTES/VARIABLE_VALUE'\): OUT_OF_RANGE: Error "
-                                                       r"reading \"a1/0\" .*\. The value files are damaged; restore "
-                                                       r"an older checkpoint\.$"):
+                                                       rf"\('{cut}/\.ATTRIBUTES/VARIABLE_VALUE'\): OUT_OF_RANGE: Error "
+                                                       rf"reading \"a{cut[1]}/0\" .*\. The value files are damaged; "
+                                                       r"restore an older checkpoint\.$"):
         checkpoint.read_checkpoint(path).get_many(
             {f"{k}/.ATTRIBUTES/VARIABLE_VALUE": NamedSharding(mesh, P("x")) for k in values})
