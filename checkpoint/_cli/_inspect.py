@@ -162,7 +162,14 @@ def _inspect_key(reader, key: str, as_json: bool = False) -> int:
     flat = value.ravel()
     if _dtypes.is_real(value.dtype) and flat.size:
         x = flat if value.dtype.kind in "iu" else flat.astype(np.float64)
-        fields.update(min=x.min().item(), max=x.max().item(), mean=x.astype(np.float64).mean().item())
+        if value.dtype.kind not in "biu":  # a diverged run's NaN would make every statistic NaN: count them apart
+            finite = np.isfinite(x)
+            counts = {"nan": int(np.isnan(x).sum()), "inf": int(x.size - finite.sum()) - int(np.isnan(x).sum())}
+            x = x[finite]
+        if x.size:
+            fields.update(min=x.min().item(), max=x.max().item(), mean=x.astype(np.float64).mean().item())
+        if value.dtype.kind not in "biu":
+            fields.update(counts)
     elif value.dtype.kind == "c" and flat.size:
         fields.update({"max abs": np.abs(flat).max().item(), "mean": flat.mean().item()})
     first = ([x if len(x) <= 40 else x[:40] + b"..." for x in flat[:10]] if out.is_str(value.dtype)
@@ -172,8 +179,9 @@ def _inspect_key(reader, key: str, as_json: bool = False) -> int:
                        "more values": flat.size > 10})
         out.print_json({k.replace(" ", "_"): v if isinstance(v, list) else _json_value(v) for k, v in fields.items()})
         return 0
+    finite_only = fields.get("nan", 0) + fields.get("inf", 0) > 0
     for name, v in fields.items():
-        out.say(f"{name}: {v}")
+        out.say(f"{name}: {v}{' (of the finite values)' if finite_only and name in ('min', 'max', 'mean') else ''}")
     out.say(f"first values: {first}{' ...' if flat.size > 10 else ''}")
     return 0
 

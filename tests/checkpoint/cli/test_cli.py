@@ -593,6 +593,26 @@ def test_inspect_key_json(run):
     assert code == 0 and (json.loads(out)["min"], json.loads(out)["max"]) == (-2.0, 448.0)
 
 
+def test_inspect_key_counts_nan_and_inf_and_summarizes_the_finite_values(run, tmp_path):
+    import jax.numpy as jnp
+
+    path = checkpoint.Checkpoint(w=varstate.Variable(jnp.array([1.0, np.nan, 3.0, -np.inf, np.inf]), name="w"),
+                                 dead=varstate.Variable(jnp.array([np.nan, np.inf]), name="dead"),
+                                 n=varstate.Variable(jnp.array([1, 2]), name="n")).write(str(tmp_path / "c"))
+    code, out, _ = run("inspect", path, "--key", "w")
+    assert code == 0
+    assert out.splitlines()[4:] == ["min: 1.0 (of the finite values)", "max: 3.0 (of the finite values)",
+                                    "mean: 2.0 (of the finite values)", "nan: 1", "inf: 2",
+                                    "first values: [1.0, nan, 3.0, -inf, inf]"]
+    code, out, _ = run("inspect", path, "--key", "w", "--json")
+    data = json.loads(out)
+    assert (data["min"], data["max"], data["mean"], data["nan"], data["inf"]) == (1.0, 3.0, 2.0, 1, 2)
+    code, out, _ = run("inspect", path, "--key", "dead")  # nothing finite: no statistics
+    assert out.splitlines()[4:] == ["nan: 1", "inf: 1", "first values: [nan, inf]"]
+    code, out, _ = run("inspect", path, "--key", "n")  # integers have no NaN to count
+    assert out.splitlines()[4:] == ["min: 1", "max: 2", "mean: 1.5", "first values: [1, 2]"]
+
+
 def _diff_pair(tmp_path):
     tensors = {n: expected(n) for n in EXPECTED}
     tensors["cls/weights"] = tensors["cls/weights"] + np.float32(0.25)
