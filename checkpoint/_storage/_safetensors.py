@@ -220,7 +220,8 @@ def is_safetensors(path: str) -> bool:
         names = os.listdir(path)
         files = [f for f in names if f.endswith(SUFFIX)]
         return (any(f.endswith(INDEX_SUFFIX) for f in names) or f"model{SUFFIX}" in names
-                or (len(files) == 1 and "checkpoint" not in names))
+                or (len(files) == 1 and "checkpoint" not in names)
+                or (not names and path.rstrip(os.sep).endswith(SUFFIX)))  # empty: the safetensors message says so
     return path.endswith((SUFFIX, INDEX_SUFFIX))
 
 

@@ -194,6 +194,12 @@ def test_verify_and_strip_on_safetensors_directories_and_missing_shards(run, tmp
     assert_one_line_error(code, err, r".*pytorch_model.safetensors is safetensors, which records no object graph, "
                                      r"so which of its values are optimizer state is not known; convert it to the TF "
                                      r"format first .*")
+    (tmp_path / "empty.safetensors").mkdir()  # every verb gives load's message, not the TF/orbax one
+    for argv in (("inspect",), ("verify",), ("convert", "--to", "orbax", str(tmp_path / "o"))):
+        code, _, err = run(argv[0], str(tmp_path / "empty.safetensors"), *argv[1:])
+        assert_one_line_error(code, err, r".*empty.safetensors: expected one \*\.safetensors\.index\.json index or "
+                                         r"one \*\.safetensors file in the directory, found none; pass the file or "
+                                         r"the index itself")
 
 
 def test_load_without_a_template_names_a_value_its_sharding_cannot_lay_out(tmp_path):
