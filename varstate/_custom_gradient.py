@@ -192,9 +192,18 @@ def _split(out: Any, fname: str) -> tuple[Any, Callable]:
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and callable(out[1])):
         raise TypeError(
             f"custom_gradient: {fname} must return a pair (outputs, grad_fn) with grad_fn callable, "
-            f"got {type(out).__name__}."
+            f"got {_described(out)}."
         )
     return out[0], out[1]
+
+
+def _described(x: Any) -> str:
+    """What a wrong return value is, in the user's terms: under a trace its type is JAX's tracer class."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"one array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return type(x).__name__
 
 
 def _check_signature(grad_fn: Callable, fname: str, var_names: list[str]) -> None:
@@ -281,7 +290,7 @@ def _call(f: Callable, fname: str, args: tuple) -> Any:
                     if not (isinstance(out, (tuple, list)) and len(out) == 2):
                         raise ValueError(
                             f"custom_gradient: {fname} reads Variables {var_names}, so its grad_fn must return "
-                            f"a pair (input_grads, variable_grads); got {type(out).__name__}."
+                            f"a pair (input_grads, variable_grads); got {_described(out)}."
                         )
                     input_grads, var_grads = out
                     if var_grads is None or len(var_grads) != n_vars:

@@ -403,12 +403,14 @@ def test_bad_returns():
     def not_pair_with_vars(x):
         return x * v.value, lambda dy, variables: dy
 
-    with pytest.raises(TypeError, match=r"not_a_pair must return a pair \(outputs, grad_fn\)"):
+    with pytest.raises(TypeError, match=r"not_a_pair must return a pair \(outputs, grad_fn\) with grad_fn "
+                                        r"callable, got one array of shape \(\) and dtype float32\."):
         not_a_pair(1.0)
     with pytest.raises(ValueError,
                        match=r"gradient of shape \(5,\) for argument 0 of wrong_shape, which has shape \(3,\)"):
         jax.grad(wrong_shape)(jnp.ones(3))
-    with pytest.raises(ValueError, match=r"grad_fn must return a pair \(input_grads, variable_grads\)"):
+    with pytest.raises(ValueError, match=r"grad_fn must return a pair \(input_grads, variable_grads\); got one "
+                                         r"array of shape \(\) and dtype float32\."):
         jax.grad(not_pair_with_vars)(1.0)
 
 
