@@ -139,8 +139,9 @@ def tree_map(f: Any, tree: Any, *rest: Any) -> Any:
     position instead, and gives back the first tree's identities.
 
     Args:
-        f: called with one leaf from each tree: for a Variable, its value; any
-            other leaf as `jax.tree.map` gives it.
+        f: called with one leaf from each tree: for a Variable, its value (a
+            PartitionedVariable's shards are paired one by one); any other
+            leaf as `jax.tree.map` gives it.
         tree: a pytree; its Variables' identities (resource id, name) are kept.
         *rest: pytrees of `tree`'s structure, with Variables where `tree` has
             them (any identities).
@@ -161,10 +162,10 @@ def tree_map(f: Any, tree: Any, *rest: Any) -> Any:
     >>> avg["w"].name, avg["w"].value.tolist(), avg["n"]
     ('w', [2.0, 2.0], 1.5)
     """
-    flat, t_def = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)
+    flat, t_def = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_paired)
     columns = [[x for _, x in flat]]
     for i, other in enumerate(rest):
-        o_flat, o_def = jax.tree_util.tree_flatten_with_path(other, is_leaf=_is_var)
+        o_flat, o_def = jax.tree_util.tree_flatten_with_path(other, is_leaf=_is_paired)
         difference = _first_difference(flat, o_flat, t_def, o_def, f"`rest[{i}]`")
         if difference:
             raise ValueError(
@@ -172,8 +173,25 @@ def tree_map(f: Any, tree: Any, *rest: Any) -> Any:
                 "Pass trees of one structure, with Variables in the same places (their identities may differ)."
             )
         columns.append([x for _, x in o_flat])
-    return t_def.unflatten([version(f(*(x.value for x in xs)), xs[0].handle) if _is_var(xs[0]) else f(*xs)
-                            for xs in zip(*columns, strict=True)])
+
+    def one(xs: tuple) -> Any:
+        if _is_var(xs[0]):
+            return version(f(*(x.value for x in xs)), xs[0].handle)
+        if isinstance(xs[0], PartitionedVariable):  # its name is in its tree structure: paired shard by shard
+            shards = [version(f(*(s.value for s in ss)), ss[0].handle) for ss in zip(*xs, strict=True)]
+            return jax.tree.structure(xs[0], is_leaf=_is_var).unflatten(shards)
+        return f(*xs)
+
+    return t_def.unflatten([one(xs) for xs in zip(*columns, strict=True)])
+
+
+def _is_paired(x: Any) -> bool:
+    """A leaf `tree_map` pairs by position whatever its identity."""
+    return isinstance(x, (Variable, PartitionedVariable))
+
+
+def _kind(x: Any) -> str:
+    return "Variable" if _is_var(x) else type(x).__name__
 
 
 def _first_difference(flat: list, o_flat: list, t_def: Any, o_def: Any, other: str) -> str:
@@ -181,9 +199,11 @@ def _first_difference(flat: list, o_flat: list, t_def: Any, o_def: Any, other: s
     for (path, x), (o_path, o_x) in zip(flat, o_flat, strict=False):  # unequal lengths: below
         if path != o_path:
             return f"the first tree has a leaf at tree{keystr(path)} where {other} has one at tree{keystr(o_path)}"
-        if _is_var(x) != _is_var(o_x):
-            kinds = [type(y).__name__ if not _is_var(y) else "Variable" for y in (x, o_x)]
-            return f"at tree{keystr(path)} the first tree has a {kinds[0]}, {other} a {kinds[1]}"
+        if (_is_paired(x) or _is_paired(o_x)) and _kind(x) != _kind(o_x):
+            return f"at tree{keystr(path)} the first tree has a {_kind(x)}, {other} a {_kind(o_x)}"
+        if isinstance(x, PartitionedVariable) and [s.shape for s in x] != [s.shape for s in o_x]:
+            return (f"at tree{keystr(path)} the PartitionedVariables are split differently: shards of shapes "
+                    f"{[tuple(s.shape) for s in x]} versus {[tuple(s.shape) for s in o_x]}")
     if len(flat) != len(o_flat):
         extra = keystr((flat if len(flat) > len(o_flat) else o_flat)[min(len(flat), len(o_flat))][0])
         return f"the first tree has {len(flat)} leaves, {other} {len(o_flat)} (the first extra at tree{extra})"

@@ -61,6 +61,26 @@ def test_tree_map_containers_differ(reg):
         varstate.tree_map(lambda x, y: x, [w, 1], (w, 1))
 
 
+def test_tree_map_pairs_partitioned_variables_shard_by_shard(reg):
+    # The second model's PartitionedVariable is named emb_1, and its name is part of its tree structure.
+    a = {"emb": varstate.PartitionedVariable(jnp.arange(20.0).reshape(10, 2), name="emb", num_shards=3,
+                                             registry=reg)}
+    b = {"emb": varstate.PartitionedVariable(jnp.ones((10, 2)), name="emb", num_shards=3, registry=reg)}
+    out = varstate.tree_map(lambda x, y: x + y, a, b)
+    assert isinstance(out["emb"], varstate.PartitionedVariable) and out["emb"].name == "emb"
+    assert [s.handle for s in out["emb"]] == [s.handle for s in a["emb"]]
+    assert jnp.concatenate([s.value for s in out["emb"]]).tolist() == (jnp.arange(20.0).reshape(10, 2) + 1).tolist()
+    two = {"emb": varstate.PartitionedVariable(jnp.ones((10, 2)), name="emb", num_shards=2, registry=reg)}
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "varstate.tree_map: `rest[0]` does not have the first tree's structure: at tree['emb'] the "
+            "PartitionedVariables are split differently: shards of shapes [(4, 2), (3, 2), (3, 2)] versus "
+            f"[(5, 2), (5, 2)]. {_FIX}") + "$"):
+        varstate.tree_map(lambda x, y: x, a, two)
+    with pytest.raises(ValueError, match=re.escape("at tree['emb'] the first tree has a PartitionedVariable, "
+                                                   "`rest[0]` a Variable")):
+        varstate.tree_map(lambda x, y: x, a, {"emb": varstate.Variable(jnp.ones((10, 2)), name="e", registry=reg)})
+
+
 @pytest.mark.parametrize("value", [True, "adam", None])
 def test_repr_of_a_variable_holding_a_non_array(reg, value):
     params = {"w": varstate.Variable(jnp.ones(2), name="w", registry=reg)}
