@@ -481,7 +481,10 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
         return start_bundle(temp, tensors, math.inf if max_staging_bytes is None else max_staging_bytes)
     from checkpoint._storage import _orbax
 
-    tree, meta = _orbax.layout(values, graph.proto, batched=packed)
+    # In the background the caller may donate the arrays as soon as this returns: checksummed before, then. With
+    # several processes each would write the metadata file that orbax's primary alone writes.
+    later: list | None = None if background or _distributed.process_count() > 1 else []
+    tree, meta = _orbax.layout(values, graph.proto, batched=packed, later=later)
     if background and max_staging_bytes is not None and _orbax.staged_bytes(tree) > max_staging_bytes:
         checkpointer = None  # copies past the bound: written now, from the arrays themselves, without copies
     own = checkpointer is None
@@ -491,4 +494,12 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
     finally:
         if own:
             checkpointer.close()
-    return (lambda: None) if own else getattr(checkpointer, "wait_until_finished", lambda: None)
+    written = (lambda: None) if own else getattr(checkpointer, "wait_until_finished", lambda: None)
+    if not later:
+        return written
+
+    def finish_orbax() -> None:
+        written()
+        _orbax.complete(meta, later, temp)
+
+    return finish_orbax

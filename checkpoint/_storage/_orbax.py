@@ -47,6 +47,7 @@ from checkpoint._storage._orbax_layout import (
     VERSION,
     canonical,
     checkpointer,
+    complete,
     layout,
     on_every_host,
     save_args,
@@ -68,8 +69,8 @@ from checkpoint._storage._orbax_validate import (
 )
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
-__all__ = ["FORMAT", "META_FILE", "VERSION", "OrbaxReader", "checkpointer", "crc32c", "is_temporary", "layout",
-           "save_args", "seal", "staged_bytes"]
+__all__ = ["FORMAT", "META_FILE", "VERSION", "OrbaxReader", "checkpointer", "complete", "crc32c", "is_temporary",
+           "layout", "save_args", "seal", "staged_bytes"]
 
 _META_LIMIT = 256 << 20  # bytes of meta/metadata; a million keys take about 200 MB
 _OPEN_AHEAD = 256  # arrays opened ahead of the reads

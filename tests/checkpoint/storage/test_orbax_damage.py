@@ -256,6 +256,24 @@ def test_values_from_another_checkpoint_fail_their_checksum(tmp_path):
             _restore, good)
 
 
+def test_a_large_values_checksum_taken_beside_orbaxs_write_is_in_the_sealed_metadata(saved):
+    # A synchronous save checksums an array stored on its own while orbax writes it, then rewrites the metadata.
+    meta = _meta(saved)
+    assert meta["entries"][W]["crc32c"] == _orbax.crc32c(np.arange(300_000, dtype=np.float32))
+    assert meta["crc32c"] == _orbax.crc32c(_orbax.canonical(meta))
+    data = np.arange(300_000, dtype=np.float32).tobytes()
+    for root, _, names in os.walk(os.path.join(saved, "values")):
+        for name in names:
+            with open(os.path.join(root, name), "r+b") as f:
+                content = f.read()
+                if data in content:
+                    f.seek(content.index(data) + 4 * 1234)
+                    f.write(np.float32(-1.0).tobytes())
+    _raises(DataLossError, rf"Checkpoint '{saved}': checksum mismatch for '{W}' \(crc32c 0x[0-9a-f]{{8}}, expected "
+                           rf"{meta['entries'][W]['crc32c']:#010x}\); the checkpoint is corrupted\. Restore an older "
+                           r"checkpoint\.", _restore, saved)
+
+
 def test_the_metadata_must_be_a_regular_file_of_bounded_size_inside_the_checkpoint(saved, tmp_path, monkeypatch):
     meta_file = os.path.join(saved, META)
     os.rename(meta_file, tmp_path / "elsewhere")
