@@ -313,6 +313,14 @@ def _apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step
         # With one device nothing can drift, and jit keeps outputs uncommitted.
         if jax.device_count() > 1 and _place(plan, ps_leaves[:plan.n_params], state):
             ps_leaves = _commit(ps_leaves, g_leaves + o_leaves)  # new param arrays, a structure seen before
+        # The usual slip, stepping the params or state a step already took, shows in their first leaves: named
+        # here, before XLA logs its own line about the deleted buffer (two checks, 70 ns; every leaf of Adam over
+        # 1,000 params would cost 0.2 ms a step).
+        first_state = ps_leaves[plan.n_params] if len(ps_leaves) > plan.n_params else None
+        if (ps_leaves and is_deleted_array(ps_leaves[0])) or is_deleted_array(first_state):
+            spent = _first_donated(params, state, global_step)
+            if spent is not None:
+                raise donated_error(spent)
         _trace.defs = (g_def, ps_def, o_def)
         try:
             new = _jitted(plan)(plan.key, ps_leaves, g_leaves, o_leaves)
