@@ -42,7 +42,7 @@ class PackLayout:
     Compared by identity: every version of one `Packed` shares its layout.
     """
 
-    __slots__ = ("handles", "n_groups", "p_def", "places", "starts")
+    __slots__ = ("_keys", "handles", "n_groups", "p_def", "places", "starts")
 
     def __init__(self, p_def: Any, places: tuple, handles: tuple, n_groups: int) -> None:
         self.p_def, self.places, self.handles, self.n_groups = p_def, places, handles, n_groups
@@ -55,9 +55,33 @@ class PackLayout:
                 group, offset, shape = place
                 members[group].append((i, offset, int(np.prod(shape, dtype=np.int64))))
         self.starts = tuple(tuple(sorted(m, key=lambda x: x[1])) for m in members)
+        self._keys: tuple | None = None
 
     def __repr__(self) -> str:
         return f"PackLayout({sum(p is not None for p in self.places)} packed in {self.n_groups} buffers)"
+
+    def buffer_names(self, group: int) -> str:
+        """"'a', 'b' and 3 more": the Variables buffer `group` holds, for messages."""
+        names = [h.name for h in (self.handles[i] for i, _, _ in self.starts[group]) if h is not None]
+        return f"{', '.join(map(repr, names[:3]))}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+
+    def keys(self) -> tuple:
+        """The key of each child in key paths: a buffer's names what it holds, so that an error about the
+        gradient or slot of ``params[0]`` says which Variables that is."""
+        if self._keys is None:
+            self._keys = tuple(_BufferKey(g, self.buffer_names(g)) for g in range(self.n_groups))
+        return self._keys
+
+
+class _BufferKey(jax.tree_util.SequenceKey):
+    """``[0] (the Packed buffer of 'a', 'b')`` in a key path."""
+
+    def __init__(self, idx: int, names: str) -> None:
+        super().__init__(idx)
+        self.names = names
+
+    def __str__(self) -> str:
+        return f"[{self.idx}] (the Packed buffer of {self.names})"
 
 
 class Packed:
@@ -96,9 +120,7 @@ class Packed:
         for g, members in enumerate(layout.starts):
             buffer = self.buffers[g]
             if is_deleted_array(buffer):  # a step donated it: name what it held, not JAX's anonymous error
-                names = [h.name for h in (layout.handles[i] for i, _, _ in members) if h is not None]
-                raise donated_error(f"Packed buffer {g} (of {', '.join(map(repr, names[:3]))}"
-                                    f"{f' and {len(names) - 3} more' if len(names) > 3 else ''})")
+                raise donated_error(f"Packed buffer {g} (of {layout.buffer_names(g)})")
             shapes = [layout.places[i][2] for i, _, _ in members]
             if len(members) == 1:
                 parts = [buffer.reshape(shapes[0])]
@@ -275,7 +297,8 @@ def _unflatten(layout: PackLayout, children: Any) -> Packed:
 
 jax.tree_util.register_pytree_with_keys(
     Packed,
-    lambda p: (tuple((jax.tree_util.SequenceKey(i), x) for i, x in enumerate((*p.buffers, *p.loose))), p.layout),
+    lambda p: ((*zip(p.layout.keys(), p.buffers, strict=True),
+                *((jax.tree_util.SequenceKey(p.layout.n_groups + j), x) for j, x in enumerate(p.loose))), p.layout),
     _unflatten,
     _flatten,
 )

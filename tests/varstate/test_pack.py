@@ -168,7 +168,13 @@ def test_sharded_params_stay_unpacked_and_replicated_ones_are_packed():
     assert packed.buffers[0].sharding.is_fully_replicated and len(packed.buffers[0].sharding.device_set) == 8
     opt = Adam(0.1)
     grads = jax.grad(lambda p: jnp.sum(p.unpack()["s"].value) + jnp.sum(p.unpack()["r"].value))(packed)
-    packed, _ = opt.apply_gradients(grads, packed, opt.init(packed))
+    state = opt.init(packed)
+    # An unpacked param's errors give its place in the Packed (after the buffers), as its key path does.
+    with pytest.raises(ValueError, match=r"^apply_gradients: gradient for 'sharded' \(params\[1\]\) has shape \(3,\)"):
+        opt.apply_gradients(jax.tree.map(lambda g: jnp.ones(3), grads), packed, state)
+    assert [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(packed)[0]] == [
+        "[0] (the Packed buffer of 'replicated')", "[1].value"]
+    packed, _ = opt.apply_gradients(grads, packed, state)
     assert packed.loose[0].value.sharding.spec == PartitionSpec("x")
 
 
@@ -199,6 +205,14 @@ def test_errors_say_what_and_the_fix():
     with pytest.raises(ValueError, match=r"Packed.repacked: Variable 'wrong' must have shape \(2, 3\), as packed"):
         packed.repacked({k: (Variable(jnp.ones(3), name="wrong") if k == "e0" else v)
                          for k, v in packed.unpack().items()})
+    # Gradient errors name a buffer by the Variables it holds, and an unpacked param by its place in the Packed.
+    grads = jax.grad(lambda p: sum(jnp.sum(v.value) for v in p.unpack().values()))(packed)
+    with pytest.raises(TypeError, match=r"^apply_gradients: gradient for params\[0\] \(the Packed buffer of 'e_bias', "
+                                        r"'e0', 'e1'\) has dtype bfloat16, the variable has dtype float32\."):
+        opt.apply_gradients(jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads), packed, state)
+    with pytest.raises(ValueError, match=r"^apply_gradients: gradient for params\[0\] \(the Packed buffer of 'e_bias', "
+                                         r"'e0', 'e1'\) has shape \(3,\), the variable has shape"):
+        opt.apply_gradients(jax.tree.map(lambda g: jnp.ones(3), grads), packed, state)
     with pytest.raises(TypeError, match=r"Packed.repacked: leaf 0 must have dtype float32, as packed; got int32\. "
                                         r"Cast it first \(x.astype\(jnp.float32\)\), or pack the params again\."):
         packed.repacked({k: jnp.ones(v.shape, jnp.int32) for k, v in packed.unpack().items()})

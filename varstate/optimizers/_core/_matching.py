@@ -58,7 +58,25 @@ def with_value(x: Any, value: Any) -> Any:
     return x._with_value(value) if isinstance(x, Variable) else value
 
 
+# While a packed step runs its update over [*unpacked params, *buffers], the labels of those list positions as
+# the caller knows them (the Packed's keys); None otherwise.
+_packed_labels: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("varstate_packed_labels",
+                                                                                   default=None)
+
+
+@contextlib.contextmanager
+def labelled_as(labels: list[str]) -> Iterator[None]:
+    token = _packed_labels.set(labels)
+    try:
+        yield
+    finally:
+        _packed_labels.reset(token)
+
+
 def path_label(path: tuple, p: Any) -> str:
+    labels = _packed_labels.get()
+    if labels is not None and len(path) == 1 and isinstance(path[0], jax.tree_util.SequenceKey):
+        return labels[path[0].idx]
     where = jax.tree_util.keystr(path) or "<root>"
     return f"{p.name!r} (params{where})" if isinstance(p, Variable) else f"params{where}"
 
