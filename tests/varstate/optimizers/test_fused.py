@@ -26,7 +26,7 @@ import optax
 import pytest
 
 import checkpoint
-from varstate import IndexedSlices, PartitionedVariable, Variable
+from varstate import IndexedSlices, PartitionedVariable, Variable, pack
 from varstate.optimizers import (
     Adagrad,
     Adam,
@@ -167,7 +167,10 @@ def test_a_fused_state_on_cpu_steps_through_the_jit_with_xlas_older_emitters(mon
     for fused in (True, False):
         params = _model(f"{fused}/")
         opt.apply_gradients(_grads(0, params), params, opt.init(params, fused=fused))
-    assert used == ["_jitted_sliced", "_jitted_update"]
+    # Packed params (varstate.pack) step whole buffers, sliced nowhere: the default emitters, 2x-3x faster there.
+    packed = pack(_model("packed/"))
+    opt.apply_gradients(jax.tree.map(jnp.ones_like, packed), packed, opt.init(packed))
+    assert used == ["_jitted_sliced", "_jitted_update", "_jitted_update"]
 
 
 def test_slots_are_per_variable_views_named_and_linked():

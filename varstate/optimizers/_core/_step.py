@@ -59,6 +59,7 @@ from varstate import _variable
 from varstate._global_step import assert_global_step
 from varstate._indexed_slices import IndexedSlices
 from varstate._jax_compat import ArrayImpl, Tracer, is_deleted_array
+from varstate._pack import Packed
 from varstate._variable import Variable, donated_error, version
 from varstate.optimizers._core._matching import (
     _check_sparse_indices,
@@ -122,7 +123,7 @@ class _Plan:
     key: _Static
     n_params: int
     sparse: bool
-    sliced: bool  # a fused state on CPU: the step is compiled by `_jitted_sliced`
+    sliced: bool  # a fused state of unpacked params on CPU: the step is compiled by `_jitted_sliced`
     shardings: tuple = ()
 
 
@@ -254,7 +255,9 @@ def _new_plan(opt: Any, grads: Any, params: Any, state: Any, global_step: Any, o
 
     sig = (sig_def, tuple(map(describe, leaves)))
     sparse = any(isinstance(g, IndexedSlices) for g in jax.tree.leaves(grads, is_leaf=_is_leaf))
-    sliced = any(d.platform == "cpu" for bs in state.packed.values() for b in bs for d in b.devices())
+    # Packed params step whole buffers, sliced nowhere: the default emitters run that step 2x-3x faster.
+    sliced = not isinstance(params, Packed) and any(
+        d.platform == "cpu" for bs in state.packed.values() for b in bs for d in b.devices())
     return _Plan(_intern(_Static(opt, sig, None, use_global)), len(jax.tree.leaves(params)), sparse, sliced)
 
 
