@@ -491,6 +491,9 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
     checkpointer = _orbax.checkpointer() if own else checkpointer
     try:
         checkpointer.save(temp, args=_orbax.save_args(tree, meta))
+    except BaseException:
+        _orbax.settle(later)
+        raise
     finally:
         if own:
             checkpointer.close()
@@ -499,7 +502,11 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
         return written
 
     def finish_orbax() -> None:
-        written()
+        try:
+            written()
+        except BaseException:
+            _orbax.settle(later)
+            raise
         _orbax.complete(meta, later, temp)
 
     return finish_orbax

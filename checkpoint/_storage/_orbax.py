@@ -52,6 +52,7 @@ from checkpoint._storage._orbax_layout import (
     on_every_host,
     save_args,
     seal,
+    settle,
     staged_bytes,
 )
 from checkpoint._storage._orbax_native import KeyedReader
@@ -70,7 +71,7 @@ from checkpoint._storage._orbax_validate import (
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 __all__ = ["FORMAT", "META_FILE", "VERSION", "OrbaxReader", "checkpointer", "complete", "crc32c", "is_temporary",
-           "layout", "save_args", "seal", "staged_bytes"]
+           "layout", "save_args", "seal", "settle", "staged_bytes"]
 
 _META_LIMIT = 256 << 20  # bytes of meta/metadata; a million keys take about 200 MB
 _OPEN_AHEAD = 256  # arrays opened ahead of the reads

@@ -149,6 +149,12 @@ def _checksum(value: Any) -> int:
     return crc32c(np.asarray(jax.device_get(value)))
 
 
+def settle(later: list | None) -> None:
+    """Waits for the checksums still running: once a save has failed, the caller may donate the arrays they read."""
+    if later:
+        concurrent.futures.wait([crc for _, crc in later])
+
+
 def complete(meta: dict, later: list, directory: str) -> None:
     """Sets the checksums `layout(..., later=)` left to finish in `meta`, seals it, and writes it over the
     metadata file orbax wrote under `directory` (a checkpoint not yet published, whose values it holds)."""

@@ -274,6 +274,33 @@ def test_a_large_values_checksum_taken_beside_orbaxs_write_is_in_the_sealed_meta
                            r"checkpoint\.", _restore, saved)
 
 
+def test_a_failed_save_returns_only_once_no_checksum_reads_the_arrays(tmp_path, monkeypatch):
+    # The caller may donate the arrays as soon as the error reaches it: the checksums taken beside the write must
+    # be over by then.
+    import time
+
+    import orbax.checkpoint as ocp
+
+    from checkpoint._storage import _orbax_layout
+
+    done = []
+
+    def slow_checksum(value):
+        time.sleep(0.2)
+        done.append(value.shape)
+        return 0
+
+    def failing_save(self, *args, **kwargs):
+        raise OSError("disk full (test)")
+
+    monkeypatch.setattr(_orbax_layout, "_checksum", slow_checksum)
+    monkeypatch.setattr(ocp.Checkpointer, "save", failing_save)
+    with pytest.raises(OSError, match=r"disk full \(test\)"):
+        checkpoint.Checkpoint(**_tree()).write(str(tmp_path / "c"))
+    assert done == [(300_000,)]  # w, the one array stored on its own, was checksummed before write returned
+    assert not os.path.exists(tmp_path / "c")
+
+
 def test_the_metadata_must_be_a_regular_file_of_bounded_size_inside_the_checkpoint(saved, tmp_path, monkeypatch):
     meta_file = os.path.join(saved, META)
     os.rename(meta_file, tmp_path / "elsewhere")
