@@ -504,9 +504,8 @@ def start_write(ckpt: Checkpoint, temp: str, format: str, *, packed: bool = True
     def finish_orbax() -> None:
         try:
             written()
-        except BaseException:
-            _orbax.settle(later)
-            raise
-        _orbax.complete(meta, later, temp)
+            _orbax.complete(meta, later, temp)
+        finally:
+            _orbax.settle(later)  # a no-op once complete has taken every checksum
 
     return finish_orbax

@@ -174,13 +174,12 @@ class Packed:
             parts = []
             for i, _, _ in members:
                 value = leaves[i].value if isinstance(leaves[i], Variable) else jnp.asarray(leaves[i])
+                what = f"Variable {leaves[i].name!r}" if isinstance(leaves[i], Variable) else f"leaf {i}"
                 if tuple(value.shape) != layout.places[i][2]:
-                    what = f"Variable {leaves[i].name!r}" if isinstance(leaves[i], Variable) else f"leaf {i}"
                     raise ValueError(f"Packed.repacked: {what} must have shape {layout.places[i][2]}, as packed; "
                                      f"got {tuple(value.shape)}.")
                 want = self.buffers[g].dtype
                 if value.dtype != want:  # a cast here would be silent: float64 past float32's range became inf
-                    what = f"Variable {leaves[i].name!r}" if isinstance(leaves[i], Variable) else f"leaf {i}"
                     raise TypeError(f"Packed.repacked: {what} must have dtype {want}, as packed; got {value.dtype}. "
                                     f"Cast it first (x.astype(jnp.{want})), or pack the params again.")
                 parts.append(value.reshape(-1))

@@ -162,14 +162,14 @@ def _inspect_key(reader, key: str, as_json: bool = False) -> int:
     flat = value.ravel()
     if _dtypes.is_real(value.dtype) and flat.size:
         x = flat if value.dtype.kind in "iu" else flat.astype(np.float64)
+        counts = {}
         if value.dtype.kind not in "biu":  # a diverged run's NaN would make every statistic NaN: count them apart
-            finite = np.isfinite(x)
-            counts = {"nan": int(np.isnan(x).sum()), "inf": int(x.size - finite.sum()) - int(np.isnan(x).sum())}
+            finite, nan = np.isfinite(x), int(np.isnan(x).sum())
+            counts = {"nan": nan, "inf": x.size - int(finite.sum()) - nan}
             x = x[finite]
         if x.size:
             fields.update(min=x.min().item(), max=x.max().item(), mean=x.astype(np.float64).mean().item())
-        if value.dtype.kind not in "biu":
-            fields.update(counts)
+        fields.update(counts)
     elif value.dtype.kind == "c" and flat.size:
         fields.update({"max abs": np.abs(flat).max().item(), "mean": flat.mean().item()})
     first = ([x if len(x) <= 40 else x[:40] + b"..." for x in flat[:10]] if out.is_str(value.dtype)

@@ -158,8 +158,6 @@ def settle(later: list | None) -> None:
 def complete(meta: dict, later: list, directory: str) -> None:
     """Sets the checksums `layout(..., later=)` left to finish in `meta`, seals it, and writes it over the
     metadata file orbax wrote under `directory` (a checkpoint not yet published, whose values it holds)."""
-    if not later:
-        return
     for entry, crc in later:
         entry["crc32c"] = crc.result()
     with open(os.path.join(directory, META_FILE), "w", encoding="utf-8") as f:

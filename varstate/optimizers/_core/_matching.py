@@ -35,14 +35,17 @@ def entry() -> str:
 
 
 @contextlib.contextmanager
-def entered(name: str) -> Iterator[None]:
-    """Makes `name` the entry point of the messages raised inside, unless one is running already."""
-    token = _entry.set(name) if _entry.get() is None else None
+def _holding(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        if token is not None:
-            _entry.reset(token)
+        var.reset(token)
+
+
+def entered(name: str) -> contextlib.AbstractContextManager:
+    """Makes `name` the entry point of the messages raised inside, unless one is running already."""
+    return _holding(_entry, name) if _entry.get() is None else contextlib.nullcontext()
 
 
 def is_var(x: Any) -> bool:
@@ -64,13 +67,8 @@ _packed_labels: contextvars.ContextVar[list[str] | None] = contextvars.ContextVa
                                                                                    default=None)
 
 
-@contextlib.contextmanager
-def labelled_as(labels: list[str]) -> Iterator[None]:
-    token = _packed_labels.set(labels)
-    try:
-        yield
-    finally:
-        _packed_labels.reset(token)
+def labelled_as(labels: list[str]) -> contextlib.AbstractContextManager:
+    return _holding(_packed_labels, labels)
 
 
 def path_label(path: tuple, p: Any) -> str:

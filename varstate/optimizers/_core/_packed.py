@@ -352,9 +352,8 @@ def packed_update(update: Any, grads: Any, params: Packed, state: Any, step: Any
     v_grads = [*grads.loose, *grads.buffers]
     v_slots = {k: [*(state._stored[k].leaves()[i] for i in loose_at), *state.packed[k]] for k in names}
     flat = type(state)(v_slots, state.non_slots, None, state._traced)
-    keys = layout.keys()
     labels = [*(path_label((jax.tree_util.SequenceKey(layout.n_groups + j),), x) for j, x in enumerate(params.loose)),
-              *(f"params{k}" for k in keys)]
+              *(f"params{k}" for k in layout.keys())]
     with labelled_as(labels):
         new_v, new_state = update(v_grads, v_params, flat, step, **extra)
     stored = dict(state._stored)

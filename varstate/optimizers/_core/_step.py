@@ -274,12 +274,7 @@ def apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step:
                 f"(varstate.get_or_create_global_step()), got {type(global_step).__name__} {global_step!r:.60}."
             )
         assert_global_step(global_step)
-    with entered("apply_gradients"):  # its messages name it, also those raised inside the optimizer's update
-        return _apply_jitted(opt._compile_key(), grads, params, state, step, global_step, extra)
-
-
-def _apply_jitted(opt: Any, grads: Any, params: Any, state: OptimizerState, step: Any, global_step: Any,
-                  extra: dict | None) -> tuple:
+    opt = opt._compile_key()
     use_global = global_step is not None and (
         step is None or (isinstance(step, Variable) and step._handle is global_step._handle))
     other = (None if use_global else step, {k: _Fixed(v) if callable(v) else v for k, v in (extra or {}).items()})
@@ -356,7 +351,9 @@ def _flat_step(key: _Static, ps_leaves: list, g_leaves: list, o_leaves: list) ->
     params, state, global_step = ps_def.unflatten(ps_leaves)
     step, extra = o_def.unflatten(o_leaves)
     extra = {k: v.value if isinstance(v, _Fixed) else v for k, v in extra.items()}
-    new = fused_update(opt.update, grads, _tie(params), _tie(state), global_step if use_global else step, extra)
+    # Traced only: the messages of the optimizer's update, run here, name apply_gradients (else they are its own).
+    with entered("apply_gradients"):
+        new = fused_update(opt.update, grads, _tie(params), _tie(state), global_step if use_global else step, extra)
     _check_layout(opt, (params, state), new)
     new_params, new_state = _pinned(params, state, *new, placement and placement.value)
     if global_step is not None:
