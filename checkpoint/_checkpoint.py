@@ -51,6 +51,7 @@ def read_checkpoint(path: str | os.PathLike) -> _storage.Reader:
     return _storage.open_reader(path)
 
 
+@_save.collector_paused()
 def restore_arrays(path: str | os.PathLike, *, sharding: Any = None) -> dict[str, Any]:
     """Reads every value of an object-based checkpoint into a nested dict by object-graph path, without templates.
 
@@ -259,8 +260,9 @@ class Checkpoint:
         """
         path = os.path.abspath(os.fspath(path))
         check_format(format, "Checkpoint.write")
-        _save.start(path, format, "Checkpoint.write", lambda temp: start_write(self, temp, format, packed=packed),
-                    lambda primary: None)()
+        with _save.collector_paused():
+            _save.start(path, format, "Checkpoint.write",
+                        lambda temp: start_write(self, temp, format, packed=packed), lambda primary: None)()
         return path
 
     def save(self, file_prefix: str, format: str = "orbax", *, packed: bool = True, **roots: Any) -> str:
@@ -318,8 +320,9 @@ class Checkpoint:
             if primary:
                 _storage.record_latest(os.path.dirname(path), path)
 
-        _save.start(path, format, "Checkpoint.save", lambda temp: start_write(self, temp, format, packed=packed),
-                    record)()
+        with _save.collector_paused():
+            _save.start(path, format, "Checkpoint.save", lambda temp: start_write(self, temp, format, packed=packed),
+                        record)()
         return path
 
     def restore(self, save_path: str | None, *, strict: bool = False, expect_partial: bool = False) -> LoadStatus:
@@ -385,6 +388,7 @@ class Checkpoint:
                 ) from None
         return status
 
+    @_save.collector_paused()
     def _restore(self, save_path: str, *, strict: bool = False, expect_partial: bool = False) -> LoadStatus:
         if _distributed.process_count() > 1:  # every process must load the same values onto the same shardings
             _checked_graph(dict(self._roots), "object graph of the restore templates")

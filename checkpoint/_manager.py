@@ -542,7 +542,8 @@ class CheckpointManager:
                                before_publish=lambda: self._journal.enter(path, metrics),
                                leftovers=self._remove_unrecorded)
         if not self._async:
-            complete()
+            with _save.collector_paused():
+                complete()
             return path
         self._pending_step, self._pending_path = step, path
         _watch(self)

@@ -18,6 +18,17 @@ from checkpoint._errors import CheckpointFormatError
 
 ORBAX_METADATA = os.path.join("meta", "metadata")  # the orbax format's own metadata file; its presence marks one
 _SYNC_THREADS = 16  # fsyncs in flight at once (`sync_tree`)
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of its parent's threads
+
+
+def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process's thread pool `name` (made on first use, kept): a save or restore of small values is a few
+    milliseconds of work, and starting its threads anew each time cost as much on a busy machine."""
+    pool = _POOLS.get(name)
+    if pool is None:
+        pool = _POOLS.setdefault(name, ThreadPoolExecutor(workers, thread_name_prefix=name))
+    return pool
 
 
 def sync_path(path: str) -> None:
@@ -89,8 +100,7 @@ def sync_tree(path: str) -> None:
     if not os.path.isdir(path) or os.path.islink(path):
         return
     paths = [os.path.join(root, name) for root, dirs, files in os.walk(path) for name in [*files, *dirs]]
-    with ThreadPoolExecutor(min(_SYNC_THREADS, len(paths) + 1)) as pool:
-        list(pool.map(_sync_if_there, [*paths, path]))
+    list(shared_pool("checkpoint-sync", _SYNC_THREADS).map(_sync_if_there, [*paths, path]))
 
 
 def _sync_if_there(path: str) -> None:

@@ -11,16 +11,16 @@ data once, plus the values being read ahead (`READ_AHEAD` bytes).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import ctypes.util
 import math
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 
-from checkpoint._storage._files import pread_into
+from checkpoint._storage._files import pread_into, shared_pool
 
 ALIGN = 64  # bytes: what XLA's CPU client takes without a copy
 READ_AHEAD = 256 << 20  # bytes of values read (and checksummed) ahead of the one being placed
@@ -179,22 +179,24 @@ def read_ahead(items: Iterable[T], read: Callable[[T], R], nbytes: Callable[[T],
     pending: collections.deque = collections.deque()
     todo = iter(items)
     ahead = 0
-    with ThreadPoolExecutor(READERS, thread_name_prefix="checkpoint-read") as pool:
-        try:
-            for item in todo:
-                size = nbytes(item)
-                while pending and ahead + size > READ_AHEAD:
-                    done, future, n = pending.popleft()
-                    ahead -= n
-                    yield done, future.result()
-                pending.append((item, pool.submit(read, item), size))
-                ahead += size
-            while pending:
+    pool = shared_pool("checkpoint-read", READERS)
+    try:
+        for item in todo:
+            size = nbytes(item)
+            while pending and ahead + size > READ_AHEAD:
                 done, future, n = pending.popleft()
+                ahead -= n
                 yield done, future.result()
-        finally:
-            for _, future, _ in pending:
-                future.cancel()
+            pending.append((item, pool.submit(read, item), size))
+            ahead += size
+        while pending:
+            done, future, n = pending.popleft()
+            yield done, future.result()
+    finally:
+        for _, future, _ in pending:
+            future.cancel()
+        # the reads already running end before the caller closes their files
+        concurrent.futures.wait([future for _, future, _ in pending])
 
 
 def one_by_one(keys: list[str]) -> list[list[str]]:

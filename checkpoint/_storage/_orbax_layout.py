@@ -22,7 +22,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import DataLossError
 from checkpoint._storage import _distributed
 from checkpoint._storage._crc import crc32c, crc32c_spans
-from checkpoint._storage._files import ORBAX_METADATA
+from checkpoint._storage._files import ORBAX_METADATA, shared_pool
 from checkpoint.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 
 FORMAT = "varstate-orbax"
@@ -139,10 +139,9 @@ class _Layout:
         return sizes
 
 
-@functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
     # crc32c releases the GIL (_crc.py): a large array's checksum runs beside the others' and beside orbax's write.
-    return concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="varstate-crc")
+    return shared_pool("checkpoint-crc", os.cpu_count() or 1)
 
 
 def _checksum(value: Any) -> int:

@@ -33,6 +33,7 @@ from checkpoint._storage._safetensors import (
     unescape,
     write,
 )
+from checkpoint._storage._save import collector_paused
 from varstate import PartitionedVariable, Variable, _seam
 
 NameMap = Mapping[str, str] | Callable[[str], str] | None
@@ -54,6 +55,7 @@ def _graph(tree: Any) -> _build.Graph:
     return _build.build({"": tree})
 
 
+@collector_paused()
 def save(path: str | os.PathLike, tree: Any, *, max_shard_size: int | str | None = None,
          name_map: NameMap = None) -> str:
     """Writes the arrays of `tree` to a safetensors file, or to Hugging Face's shards and index.
@@ -245,6 +247,7 @@ def _placed(template: Any, sharding: Any) -> Any:
                          "Variable or array") from None
 
 
+@collector_paused()
 def load(path_or_index: str | os.PathLike, template: Any = None, *, sharding: Any = None,
          name_map: NameMap = None) -> Any:
     """Reads a safetensors file or sharded index into `template`, or as a nested dict.
