@@ -30,6 +30,11 @@ VERSION = 2  # 2: the metadata carries a crc32c of itself (1 is read, without on
 META_FILE = ORBAX_METADATA
 BATCH_LIMIT = 1 << 20  # values smaller than this are batched
 BATCH_BYTES = 64 << 20  # a batch is closed once it holds this much
+# tensorstore starts a new OCDBT data file once one holds this much. Unbounded (orbax's default), a save's values
+# go to one file (all but the last written), synced as one: 2 GiB in 16 arrays saved 1.9x slower than the same
+# values in the TF format (paired median of 8 rounds); in files of 256 MiB, 0.9x. 64 MiB and 128 MiB measured alike
+# within the machine's noise; fewer, larger files keep a large checkpoint's file count low.
+DATA_FILE_BYTES = 256 << 20
 ALIGN = 64
 # Large arrays of these types are written as the wider type (tensorstore has no uint4); the
 # bytes, and so the checksum, are the same: ml_dtypes keeps one uint4 per byte.
@@ -296,5 +301,5 @@ def checkpointer(async_save: bool = False) -> ocp.AbstractCheckpointer:
 
 def save_args(tree: dict, meta: dict) -> ocp.args.Composite:
     # orbax refuses an empty tree: a checkpoint of Python values only has no values item.
-    values = {"values": ocp.args.PyTreeSave(tree)} if tree else {}
+    values = {"values": ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=DATA_FILE_BYTES)} if tree else {}
     return ocp.args.Composite(**values, meta=ocp.args.JsonSave(meta))
