@@ -107,14 +107,14 @@ def test_a_forked_child_reads_with_threads_of_its_own():
     # The parent's pool is made before the fork; the child has none of its threads and must make its own pool
     # (a pool copied over would count the parent's threads as its own and never run a read: a hang).
     script = textwrap.dedent("""
-        import os, signal
+        import os, signal, sys
         from checkpoint._storage import _host
         assert [r for _, r in _host.read_ahead([1, 2], lambda x: x * 10, lambda x: 1)] == [10, 20]
         pid = os.fork()
         if pid == 0:
             signal.alarm(20)
             ok = [r for _, r in _host.read_ahead([3, 4], lambda x: x * 10, lambda x: 1)] == [30, 40]
-            os._exit(0 if ok else 3)
+            sys.exit(0 if ok else 3)  # a normal exit: the exit hooks join no thread of the parent's
         assert os.waitpid(pid, 0)[1] == 0
         print("child read")
     """)
