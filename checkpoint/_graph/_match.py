@@ -10,6 +10,7 @@ status of one restore shares, so deferred restorations add to one account.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -96,7 +97,11 @@ class RestoreState:
 
     def __post_init__(self) -> None:
         self.proto = self.reader.object_graph
-        self.names = node_names(self.proto)
+
+    @functools.cached_property
+    def names(self) -> list[str]:
+        """Each node's name, for messages: made on first use (a restore that goes well has none to write)."""
+        return node_names(self.proto)
 
     def unresolved(self) -> list[int]:
         """The nodes holding a value that no restore has taken."""

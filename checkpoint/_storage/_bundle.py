@@ -124,6 +124,7 @@ class BundleReader:
             else:
                 name = key.decode("utf-8", "surrogateescape")
                 self._entries[name] = self._parse(tensor_bundle_pb2.BundleEntryProto, value, f"key {name!r}")
+        self._shapes: dict[str, tuple[int, ...]] = {}  # checked once: a restore asks each value's twice
         self._files: dict[int, tuple[int, int]] = {}
         self._finalizer = weakref.finalize(self, _close_all, self._files)
 
@@ -175,6 +176,12 @@ class BundleReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The full shape of tensor `key`."""
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = self._shape(key)
+        return shape
+
+    def _shape(self, key: str) -> tuple[int, ...]:
         entry = self.entry(key)
         shape = tuple(d.size for d in entry.shape.dim)
         too_big = math.prod(d or 1 for d in shape) > (1 << 59)  # numpy refuses even with a zero dimension
