@@ -537,14 +537,14 @@ class CheckpointManager:
             return start_write(ckpt, temp, self.format, packed=self._packed, background=self._async, counter=step,
                                checkpointer=self._checkpointer, max_staging_bytes=self.max_staging_bytes)
 
-        complete = _save.start(path, self.format, "CheckpointManager.save", write,
-                               lambda primary: self._commit(step, metrics, score, primary),
-                               before_publish=lambda: self._journal.enter(path, metrics),
-                               leftovers=self._remove_unrecorded)
-        if not self._async:
-            with _save.collector_paused():
+        with _save.collector_paused():  # the part run in this thread: an asynchronous save's commit runs beside it
+            complete = _save.start(path, self.format, "CheckpointManager.save", write,
+                                   lambda primary: self._commit(step, metrics, score, primary),
+                                   before_publish=lambda: self._journal.enter(path, metrics),
+                                   leftovers=self._remove_unrecorded)
+            if not self._async:
                 complete()
-            return path
+                return path
         self._pending_step, self._pending_path = step, path
         _watch(self)
         self._thread = threading.Thread(target=self._finish, args=(complete,), name="checkpoint-commit")

@@ -37,7 +37,6 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-@collector_paused()
 def start(
     path: str,
     format: str,

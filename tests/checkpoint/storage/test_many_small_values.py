@@ -59,6 +59,18 @@ def test_the_collector_runs_once_after_a_save_or_restore_not_during_it(tmp_path,
     assert restored["v123"].value.tolist() == [123.0] * 4
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_manager_save_pauses_the_collector_in_the_callers_thread(tmp_path, collections, asynchronous):
+    model = _model()
+    with checkpoint.CheckpointManager(str(tmp_path), async_save=asynchronous) as manager:
+        gc.collect()
+        before = collections()
+        manager.save(1, model=model)
+        assert collections() - before <= 1 and gc.isenabled()
+        manager.wait_until_finished()
+    assert gc.isenabled()
+
+
 def test_the_collector_is_on_again_after_a_restore_that_fails(tmp_path):
     path = checkpoint.Checkpoint(model=_model(2)).write(str(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="shape"):
