@@ -176,8 +176,7 @@ SAVE_CONTENDERS = ("ours orbax", "ours tf", "orbax", "raw")
 
 def save_row(total_bytes: int, root: str, rounds: int = 5) -> dict[str, tuple[float, float, float, float]]:
     """{contender: (min seconds, median seconds/raw's and /ours tf's in the same round, min peak RSS over the data)}:
-    16 float32
-    arrays of `total_bytes` saved in a fresh process per contender, rounds interleaved in turning order."""
+    16 float32 arrays of `total_bytes` saved in a fresh process per contender, rounds interleaved in turning order."""
     import subprocess
     import sys
 
