@@ -166,7 +166,7 @@ def test_a_value_file_cut_short_names_the_value_being_streamed(tmp_path):
             {f"{k}/.ATTRIBUTES/VARIABLE_VALUE": NamedSharding(mesh, P("x")) for k in values})
 
 
-def test_large_values_are_spread_over_data_files_of_the_stated_size(tmp_path, monkeypatch):
+def test_large_values_are_spread_over_data_files_of_the_stated_size(tmp_path, monkeypatch, plain_orbax):
     # One unbounded data file was written and synced as one: the orbax format saved 1.9x slower than the TF format.
     monkeypatch.setattr(_orbax_layout, "DATA_FILE_BYTES", 4 << 20)
     rng = np.random.default_rng(0)
@@ -180,13 +180,5 @@ def test_large_values_are_spread_over_data_files_of_the_stated_size(tmp_path, mo
     reader = checkpoint.read_checkpoint(path)
     assert all(np.array_equal(reader.get(f"{k}/.ATTRIBUTES/VARIABLE_VALUE"), v) for k, v in values.items())
     # orbax itself reads the multi-file store as it reads one it wrote
-    tree = _plain_orbax_restore(os.path.join(path, "values"))
+    tree = plain_orbax(path)
     assert sorted(tree) == ["a0", "a1", "a2", "a3"]
-
-
-def _plain_orbax_restore(directory):
-    import orbax.checkpoint as ocp
-
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(directory).item_metadata.tree
-    return ckptr.restore(directory, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta))

@@ -2,7 +2,6 @@
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -10,14 +9,6 @@ import orbax.checkpoint as ocp
 import checkpoint
 import varstate
 from varstate.optimizers import Adam
-
-
-def _plain_orbax(path: str) -> dict:
-    """The call `Checkpoint.write` documents: orbax alone, every array onto the host."""
-    values = os.path.join(path, "values")
-    ckptr = ocp.PyTreeCheckpointer()
-    tree = ckptr.metadata(values).item_metadata.tree
-    return ckptr.restore(values, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
 
 
 def _roots():
@@ -29,12 +20,12 @@ def _roots():
     return {"model": model, "optimizer": Adam(0.1).init(model), "epochs": 7}
 
 
-def test_plain_orbax_restores_every_value_by_checkpoint_key(tmp_path):
+def test_plain_orbax_restores_every_value_by_checkpoint_key(tmp_path, plain_orbax):
     roots = _roots()
     path = checkpoint.Checkpoint(**roots).save(str(tmp_path / "ckpt"), packed=False)
     ours = checkpoint.read_checkpoint(path)
 
-    plain = _plain_orbax(path)
+    plain = plain_orbax(path)
 
     for key in ours.keys():
         if key.startswith("model/emb/"):
@@ -56,10 +47,10 @@ def test_plain_orbax_restores_every_value_by_checkpoint_key(tmp_path):
     assert "p0" in ocp.PyTreeCheckpointer().metadata(os.path.join(packed, "values")).item_metadata.tree
 
 
-def test_manager_writes_unpacked_checkpoints(tmp_path):
+def test_manager_writes_unpacked_checkpoints(tmp_path, plain_orbax):
     with checkpoint.CheckpointManager(str(tmp_path), packed=False) as mgr:
         mgr.save(3, w=jnp.arange(3.0))
-    plain = _plain_orbax(os.path.join(str(tmp_path), "ckpt-3"))
+    plain = plain_orbax(os.path.join(str(tmp_path), "ckpt-3"))
     assert plain["w/.ATTRIBUTES/VARIABLE_VALUE"].tolist() == [0.0, 1.0, 2.0]
     assert int(plain["save_counter/.ATTRIBUTES/VARIABLE_VALUE"]) == 3
 
