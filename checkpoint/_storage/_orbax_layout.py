@@ -91,7 +91,9 @@ class _Layout:
         tree: dict[str, Any] = {}
         sizes = self._batches(tree)
         tree.update((entry["array"], value) for entry, value in self.large)
-        whole = [(entry, _pool().submit(_checksum, value)) for entry, value in self.large
+        # crc32c releases the GIL (_crc.py): a large array's checksum runs beside the others' and beside orbax's write.
+        pool = shared_pool("checkpoint-crc", os.cpu_count() or 1)
+        whole = [(entry, pool.submit(_checksum, value)) for entry, value in self.large
                  if self.one_process or on_every_host(value)]
         if later is not None:
             later.extend(whole)
@@ -142,11 +144,6 @@ class _Layout:
             entry["pack"], entry["offset"] = batch, start
         tree.update((f"p{i}", batch.view(_Batch)) for i, batch in enumerate(batches))
         return sizes
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    # crc32c releases the GIL (_crc.py): a large array's checksum runs beside the others' and beside orbax's write.
-    return shared_pool("checkpoint-crc", os.cpu_count() or 1)
 
 
 def _checksum(value: Any) -> int:
