@@ -18,7 +18,7 @@ per dimension.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,25 +49,38 @@ def child_path(parent: str, local_name: str) -> str:
     return f"{parent}/{escape(local_name)}" if parent else escape(local_name)
 
 
-def first_paths(nodes: Sequence[Any]) -> dict[int, tuple[str, ...]]:
-    """Each node's first path from the root, breadth first, as its local names (TF's rule for a node's key).
-
-    `nodes` are an object graph's nodes (a checkpoint's or an export's); a child reference outside them is
-    skipped, the readers of a graph report it where it matters.
-    """
-    paths: dict[int, tuple[str, ...]] = {0: ()}
+def _first_edges(nodes: Sequence[Any]) -> Iterator[tuple[int, int, str]]:
+    """(node, parent, local name) of each node's first reference from the root, breadth first (TF's rule for a
+    node's key); a child reference outside `nodes` is skipped, the readers of a graph report it where it matters."""
+    seen = {0}
     queue = [0]
     for i in queue:  # grows as the walk goes
         for ref in nodes[i].children:
-            if ref.node_id not in paths and 0 <= ref.node_id < len(nodes):
-                paths[ref.node_id] = (*paths[i], ref.local_name)
+            if ref.node_id not in seen and 0 <= ref.node_id < len(nodes):
+                seen.add(ref.node_id)
                 queue.append(ref.node_id)
+                yield ref.node_id, i, ref.local_name
+
+
+def first_paths(nodes: Sequence[Any]) -> dict[int, tuple[str, ...]]:
+    """Each node's first path from the root, as its local names; `nodes` are an object graph's nodes (a
+    checkpoint's or an export's)."""
+    paths: dict[int, tuple[str, ...]] = {0: ()}
+    for node, parent, name in _first_edges(nodes):
+        paths[node] = (*paths[parent], name)
     return paths
 
 
 def key_paths(nodes: Sequence[Any]) -> dict[int, str]:
-    """`first_paths` as the prefixes of the nodes' checkpoint keys: escaped local names joined by ``/``."""
-    return {i: "/".join(map(escape, path)) for i, path in first_paths(nodes).items()}
+    """`first_paths` as the prefixes of the nodes' checkpoint keys: escaped local names joined by ``/``.
+
+    Built from each parent's key, so that each name is escaped once: escaping every path's names again made a
+    chain of 3,000 nodes (4.5 million names over its paths) take seconds to list.
+    """
+    keys = {0: ""}
+    for node, parent, name in _first_edges(nodes):
+        keys[node] = escape(name) if parent == 0 else f"{keys[parent]}/{escape(name)}"
+    return keys
 
 
 def attribute_key(path: str, attribute: str = VARIABLE_VALUE) -> str:

@@ -155,6 +155,21 @@ def test_local_names_are_escaped_like_tf():
     assert graph.saveables[0].key == "m/a..b.Sc" + KEY
 
 
+def test_key_paths_are_each_nodes_first_path_escaped_and_joined_like_the_keys_a_save_writes():
+    # Node 3 is reached twice (its first path wins), 4 has an empty name, -1 and 9 lie outside the graph.
+    graph = TrackableObjectGraph()
+    for _ in range(6):
+        graph.nodes.add()
+    for parent, child, name in [(0, 1, "m"), (0, 2, "a.b/c"), (1, 3, "x"), (2, 3, "late"), (2, 4, ""), (4, 5, "y"),
+                                (1, -1, "outside"), (3, 9, "outside")]:
+        graph.nodes[parent].children.add(node_id=child, local_name=name)
+    assert _keys.first_paths(graph.nodes) == {0: (), 1: ("m",), 2: ("a.b/c",), 3: ("m", "x"), 4: ("a.b/c", ""),
+                                              5: ("a.b/c", "", "y")}
+    assert _keys.key_paths(graph.nodes) == {0: "", 1: "m", 2: "a..b.Sc", 3: "m/x", 4: "a..b.Sc/", 5: "a..b.Sc//y"}
+    built = _graph.build({"m": {"a.b/c": {"": {"y": jnp.ones(1)}}}})
+    assert _keys.key_paths(built.proto.nodes)[4] + KEY == built.saveables[0].key == "m/a..b.Sc//y" + KEY
+
+
 def test_restore_matches_structure_not_variable_names(tmp_path):
     path = checkpoint.Checkpoint(m={"w": varstate.Variable(jnp.ones(2), name="first")}).write(str(tmp_path / "c"))
     other = varstate.Variable(jnp.zeros(2), name="completely/different")
