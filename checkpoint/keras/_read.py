@@ -205,7 +205,7 @@ def _variable(value: np.ndarray, path: tuple[str, ...], registry, where: str) ->
     name = "/".join(path)
     if _dtypes.is_real(value.dtype) or value.dtype.kind == "c":
         value = _dtypes.narrow_to_held(value, name, where)
-    return varstate.Variable(jnp.asarray(value), name=name, trainable=path[-1] not in _NON_TRAINABLE,
+    return varstate.Variable(value, name=name, trainable=path[-1] not in _NON_TRAINABLE,
                              registry=registry)
 
 
