@@ -58,11 +58,20 @@ def earlier_modules_objects_frozen():
     few optimizer modules); each full collection walks all of them, 0.25-0.7 s apiece, and the tests that check
     finalizers call `gc.collect()` dozens of times. Freezing at each module's start (after collecting the young
     garbage) keeps every full collection to the objects of the module running, which are the ones its tests
-    make and drop. Garbage that reached the oldest generation in an earlier module is then never collected: a
-    worker holds a little more memory, not wrong results.
+    make and drop. Garbage that reached the oldest generation in an earlier module waits for the end of the
+    session (`frozen_garbage_collected_at_the_end`).
     """
     gc.collect(1)
     gc.freeze()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def frozen_garbage_collected_at_the_end():
+    """Collects what the freezes held, so that a finalizer's failure or ResourceWarning in it is still reported
+    (as an error of the session's last test) rather than lost with the frozen garbage."""
+    yield
+    gc.unfreeze()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
