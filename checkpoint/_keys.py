@@ -79,6 +79,8 @@ def key_paths(nodes: Sequence[Any]) -> dict[int, str]:
     """
     keys = {0: ""}
     for node, parent, name in _first_edges(nodes):
+        # TF's join, not `child_path`: that one gives a child of a root named "" no leading "/" ("y", where the
+        # join gives "/y"), which is how checkpoint.safetensors names a tree by its paths from the top.
         keys[node] = escape(name) if parent == 0 else f"{keys[parent]}/{escape(name)}"
     return keys
 

@@ -23,13 +23,12 @@ def _model(prefix="w", n=4):
             for i in range(n)} | {"bias": Variable(jnp.linspace(-0.5, 0.5, 5), name=f"{prefix}_bias")}
 
 
-def _loss(params):
-    return sum(jnp.sum(jnp.sin(v.value) * (k + 1)) for k, v in enumerate(jax.tree.leaves(
-        params, is_leaf=lambda x: isinstance(x, Variable))))
-
-
 def _variables(params):
     return jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Variable))
+
+
+def _loss(params):
+    return sum(jnp.sum(jnp.sin(v.value) * (k + 1)) for k, v in enumerate(_variables(params)))
 
 
 def _linear_loss(params, coefficients):
