@@ -44,9 +44,11 @@ def local_name(entry: Any) -> str:
     return str(entry)
 
 
-def child_path(parent: str, local_name: str) -> str:
-    """The path of a node's child: its parent's path (``""`` for the root), then its escaped local name."""
-    return f"{parent}/{escape(local_name)}" if parent else escape(local_name)
+def child_path(parent: str | None, local_name: str) -> str:
+    """The path of a node's child: its escaped local name after its parent's path and a ``/``, or alone under the
+    root (`parent` None). A child of the root named ``""`` has the path ``""``, and its own child ``y`` the path
+    ``/y``, as TF joins them."""
+    return escape(local_name) if parent is None else f"{parent}/{escape(local_name)}"
 
 
 def _first_edges(nodes: Sequence[Any]) -> Iterator[tuple[int, int, str]]:
@@ -79,9 +81,7 @@ def key_paths(nodes: Sequence[Any]) -> dict[int, str]:
     """
     keys = {0: ""}
     for node, parent, name in _first_edges(nodes):
-        # TF's join, not `child_path`: that one gives a child of a root named "" no leading "/" ("y", where the
-        # join gives "/y"), which is how checkpoint.safetensors names a tree by its paths from the top.
-        keys[node] = escape(name) if parent == 0 else f"{keys[parent]}/{escape(name)}"
+        keys[node] = child_path(None if parent == 0 else keys[parent], name)
     return keys
 
 

@@ -50,7 +50,7 @@ def _tree_rows(nodes, describe) -> list[dict[str, Any]]:
                                  "of": paths.get(slot.original_variable_node_id, "?"),
                                  **describe(slot.slot_variable_node_id)})
             continue
-        path = _keys.child_path(paths[node_id], child.local_name)
+        path = _keys.child_path(None if node_id == 0 else paths[node_id], child.local_name)
         if paths.get(child.node_id) != path:
             rows.append({"depth": depth, "name": child.local_name, "path": path,
                          "same_as": paths.get(child.node_id, "?")})

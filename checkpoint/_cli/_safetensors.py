@@ -128,12 +128,12 @@ def graph_of(keys: Any) -> TrackableObjectGraph:
     """The object graph the checkpoint keys `keys` imply: a node per path, slots linked to optimizer and primary."""
     proto = TrackableObjectGraph()
     nodes = [proto.nodes.add()]
-    ids = {"": 0}
+    ids: dict[str | None, int] = {None: 0}  # path -> node; the root has none (a child named "" has the path "")
 
     def node(path: str) -> int:
-        at = ""
+        at: str | None = None
         for part in path.split("/"):
-            parent, at = ids[at], f"{at}/{part}" if at else part
+            parent, at = ids[at], part if at is None else f"{at}/{part}"
             if at not in ids:
                 ids[at] = len(nodes)
                 nodes.append(proto.nodes.add())

@@ -53,8 +53,13 @@ class Graph:
     objects: list[Any]  # node id -> the object walked (None for the root); slot nodes have none
 
 
-def build(roots: dict[str, Any]) -> Graph:
-    """Walks `roots` breadth-first (TF's order) into a TrackableObjectGraph."""
+def build(roots: dict[str, Any], *, top: str | None = None) -> Graph:
+    """Walks `roots` breadth-first (TF's order) into a TrackableObjectGraph.
+
+    The root named `top`, if given, is the top of the paths: its children's paths start without it (``"w"``,
+    where TF's join under a root named ``""`` gives ``"/w"``), which is how a format without an object graph
+    names a tree's values from the tree itself.
+    """
     proto = TrackableObjectGraph()
     nodes = [proto.nodes.add()]  # the root: the Checkpoint itself. Held in a list: indexing the proto's is slow
     paths = [""]
@@ -62,6 +67,7 @@ def build(roots: dict[str, Any]) -> Graph:
     objects: list[Any] = [None]
     kinds = [Kind.CONTAINER]
     in_optimizer = [False]  # node id -> reached through an optimizer state (its non-slots, plain slots)
+    tops = {0}  # the nodes whose children's paths start at the top: the root, and the root named `top`
     node_of: dict[Any, int] = {}
     saveables: list[Saveable] = []
     valued: set[int] = set()  # the nodes given a value
@@ -92,7 +98,9 @@ def build(roots: dict[str, Any]) -> Graph:
             if node_id is None:
                 node_id = len(nodes)
                 nodes.append(proto.nodes.add())
-                paths.append(_keys.child_path(parent_path, name))
+                paths.append(_keys.child_path(None if parent in tops else parent_path, name))
+                if parent == 0 and name == top:
+                    tops.add(node_id)
                 labels.append(f"{parent_label}.{name}")
                 objects.append(child)
                 variables.append(var)

@@ -51,8 +51,8 @@ def _namer(name_map: NameMap, where: str) -> Callable[[str], str]:
 
 
 def _graph(tree: Any) -> _build.Graph:
-    # The tree is the one root, named "": its children's paths start at the top ("model/w", not "/model/w").
-    return _build.build({"": tree})
+    # The tree is the one root, the top of the paths: its children's paths start there ("model/w", not "/model/w").
+    return _build.build({"": tree}, top="")
 
 
 @collector_paused()

@@ -170,6 +170,29 @@ def test_key_paths_are_each_nodes_first_path_escaped_and_joined_like_the_keys_a_
     assert _keys.key_paths(built.proto.nodes)[4] + KEY == built.saveables[0].key == "m/a..b.Sc//y" + KEY
 
 
+def test_a_root_named_empty_keeps_its_empty_part_in_every_key_below_it(tmp_path):
+    # TF joins a node's names with "/" (a root named "" and its child "y": "/y"); the root's own path is "".
+    params = {"w": varstate.Variable(jnp.ones(2))}
+    roots = {"": {"p": params, "opt": Adam(0.1).init(params)}}
+    built = _graph.build(roots)
+    assert sorted(s.key for s in built.saveables) == [
+        "/opt/beta1_power" + KEY, "/opt/beta2_power" + KEY, "/p/w" + KEY,
+        "/p/w/.OPTIMIZER_SLOT//opt/m" + KEY, "/p/w/.OPTIMIZER_SLOT//opt/v" + KEY]
+    paths = set(_keys.key_paths(built.proto.nodes).values())  # the graph's reader agrees with its writer
+    assert {"", "/p", "/opt"} <= paths and {_keys.node_path(s.key) for s in built.saveables} - paths == {
+        "/p/w/.OPTIMIZER_SLOT//opt/m", "/p/w/.OPTIMIZER_SLOT//opt/v"}  # slots are not children
+    # `top` names the root whose children start the paths (checkpoint.safetensors names a tree's values so).
+    assert sorted(s.key for s in _graph.build(roots, top="").saveables) == [
+        "opt/beta1_power" + KEY, "opt/beta2_power" + KEY, "p/w" + KEY,
+        "p/w/.OPTIMIZER_SLOT/opt/m" + KEY, "p/w/.OPTIMIZER_SLOT/opt/v" + KEY]
+    path = checkpoint.Checkpoint(**roots).write(str(tmp_path / "c"), format="tf")
+    assert "/p/w" + KEY in checkpoint.read_checkpoint(path).keys()
+    template = {"w": varstate.Variable(jnp.zeros(2))}
+    status = checkpoint.Checkpoint(**{"": {"p": template, "opt": Adam(0.1).init(template)}}).restore(path)
+    status.assert_consumed()
+    np.testing.assert_array_equal(np.asarray(status.roots[""]["p"]["w"].value), np.ones(2))
+
+
 def test_restore_matches_structure_not_variable_names(tmp_path):
     path = checkpoint.Checkpoint(m={"w": varstate.Variable(jnp.ones(2), name="first")}).write(str(tmp_path / "c"))
     other = varstate.Variable(jnp.zeros(2), name="completely/different")

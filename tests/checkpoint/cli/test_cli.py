@@ -569,6 +569,19 @@ def test_inspect_json_lists_what_tf_wrote(run):
     assert reached == set(record["tensors"])
 
 
+def test_inspect_a_root_named_empty_lists_its_values_under_it(run, tmp_path):
+    # The root "" and its child "y" key the value "/y/..." (TF's join); inspect walks the same paths.
+    v = varstate.Variable(np.arange(3.0, dtype=np.float32))
+    path = checkpoint.Checkpoint(**{"": {"y": v}}).write(str(tmp_path / "c"), format="tf")
+    code, out, _ = run("inspect", path, "--json")
+    data = json.loads(out)
+    assert code == 0 and [k["key"] for k in data["keys"] if k["in_object_graph"]] == [
+        "/y/.ATTRIBUTES/VARIABLE_VALUE"]
+    assert [(r["name"], r["path"]) for r in data["objects"]] == [("", ""), ("y", "/y")]
+    assert not any("same_as" in r for r in data["objects"])
+    assert [v["key"] for v in data["objects"][1]["values"]] == ["/y/.ATTRIBUTES/VARIABLE_VALUE"]
+
+
 def test_inspect_json_of_a_name_based_checkpoint_shows_slices(run):
     record = TF_EXPECTED["tf_name"]
     code, out, _ = run("inspect", os.path.join(TF_DIR, "tf_name"), "--json")

@@ -138,6 +138,26 @@ def test_convert_tf_fixtures_to_safetensors(run, tmp_path):
     assert_one_line_error(code, err, "--max-shard-size is for --to safetensors only")
 
 
+def test_convert_keeps_a_child_named_empty_between_the_root_and_its_children(run, tmp_path):
+    # A tree {"": {"y": v}} names y "/y" (TF's join of "" and "y"); converted, the checkpoint restores into the
+    # same structure, and a checkpoint of that structure converts back to the same names.
+    tree = {"": {"y": varstate.Variable(jnp.arange(3.0))}, "z": varstate.Variable(jnp.ones(2))}
+    src = st.save(tmp_path / "t.safetensors", tree)
+    with safe_open(src, framework="numpy") as f:
+        assert sorted(f.keys()) == ["/y", "z"]
+    for fmt in ("tf", "orbax"):
+        out_path = str(tmp_path / fmt / "ckpt")
+        assert run("convert", src, out_path, "--to", fmt)[0] == 0
+        template = {"": {"y": varstate.Variable(jnp.zeros(3))}, "z": varstate.Variable(jnp.zeros(2))}
+        status = checkpoint.Checkpoint(**template).restore(out_path)
+        status.assert_consumed()
+        np.testing.assert_array_equal(np.asarray(status.roots[""]["y"].value), np.arange(3.0))
+        back = str(tmp_path / f"{fmt}.safetensors")
+        assert run("convert", out_path, back, "--to", "safetensors")[0] == 0
+        with safe_open(back, framework="numpy") as f:
+            assert sorted(f.keys()) == ["/y", "z"]
+
+
 def test_convert_a_hugging_face_file_is_name_based(run, tmp_path):
     src = str(tmp_path / "hf.safetensors")
     values = {"model.embed.weight": np.arange(6, dtype=np.float16).reshape(3, 2),
