@@ -37,8 +37,8 @@ def pytest_configure(config):
 
 
 # What jax offers no public way to ask, read from private JAX: the tests' one door to jax._src (tests/test_layout.py
-# holds the library to varstate/_jax_compat.py and checkpoint/_export/_jax_private.py). Source text, so that a
-# child process runs it too.
+# holds the library to varstate/_jax_compat.py and the _jax_private.py of checkpoint/_export and checkpoint/_storage).
+# Source text, so that a child process runs it too.
 JAX_PRIVATE = {
     "backends_started": "__import__('jax._src.xla_bridge')._src.xla_bridge.backends_are_initialized()",
 }

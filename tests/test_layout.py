@@ -5,11 +5,11 @@
 - `varstate` never imports `checkpoint`;
 - `checkpoint` reaches varstate only through its public modules and `varstate._seam`;
 - an underscore name is not imported across package boundaries;
-- private JAX (`jax._src`) is reached by `varstate/_jax_compat.py` and `checkpoint/_export/_jax_private.py`
-  alone (jaxlib's by `checkpoint/_export/_module_child.py`, the child that reads export modules), and orbax's
-  (`orbax.checkpoint._src`) by `checkpoint/_storage/_orbax_private.py` alone: by an import, or by a string
-  naming it passed to a call (`importlib.import_module("jax._src...")`, `__import__`); the tests
-  read private JAX through tests/conftest.py's `jax_private` fixture alone;
+- private JAX (`jax._src`) is reached by `varstate/_jax_compat.py`, `checkpoint/_export/_jax_private.py` and
+  `checkpoint/_storage/_jax_private.py` alone (jaxlib's by `checkpoint/_export/_module_child.py`, the child that
+  reads export modules), and orbax's (`orbax.checkpoint._src`) by `checkpoint/_storage/_orbax_private.py` alone:
+  by an import, or by a string naming it passed to a call (`importlib.import_module("jax._src...")`,
+  `__import__`); the tests read private JAX through tests/conftest.py's `jax_private` fixture alone;
 - each concept has its folder, holding its modules (`CONCEPT_FOLDERS`);
 - `checkpoint/` holds only the verbs at its top level and `varstate/optimizers/` only the TF v1 optimizers and
   their helpers (`FLAT_MODULES`): a new flat module is added there deliberately, or goes into a folder;
@@ -132,7 +132,7 @@ def test_import_directions(module):
 
 # Private modules of other libraries -> the one module of ours allowed to reach each.
 PRIVATE_HOMES = {
-    "jax._src": ("varstate._jax_compat", "checkpoint._export._jax_private"),
+    "jax._src": ("varstate._jax_compat", "checkpoint._export._jax_private", "checkpoint._storage._jax_private"),
     "orbax.checkpoint._src": ("checkpoint._storage._orbax_private",),
     # Reading an export's StableHLO module as jax does, in a child process that does not import jax.
     "jaxlib._jax": ("checkpoint._export._module_child",),

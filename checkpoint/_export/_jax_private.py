@@ -1,4 +1,5 @@
-"""The one module of `checkpoint` that reads JAX internals: the two that export needs.
+"""The module of `checkpoint._export` that reads JAX internals: the two that export needs (a restore's placing
+call is `checkpoint/_storage/_jax_private.py`'s).
 
 - `stable_custom_call_targets()`: the custom calls jax.export guarantees
   stable, the only ones a loaded function may make;

@@ -67,12 +67,15 @@ def place(host: np.ndarray, sharding: Any) -> Any:
 
 
 def place_many(hosts: list[np.ndarray], shardings: list[Any]) -> list[Any]:
-    """`place` of each host on its sharding, in one `jax.device_put` (a call per array costs 3x the Python time).
+    """`place` of each host on its sharding: those for one device through `host_put` (a fifth of
+    `jax.device_put`'s time), the rest in one `jax.device_put` (a call per array costs 3x the Python time).
 
     >>> [x.tolist() for x in place_many([np.zeros(2), np.ones(1)], [None, None])]
     [[0.0, 0.0], [1.0]]
     """
-    import jax
+    import jax  # here: reading a TF checkpoint imports no jax until a value is placed
+
+    from checkpoint._storage._jax_private import host_put
 
     def aligned(host: np.ndarray) -> np.ndarray:
         if host.flags.c_contiguous and host.ctypes.data % ALIGN == 0:
@@ -81,7 +84,19 @@ def place_many(hosts: list[np.ndarray], shardings: list[Any]) -> list[Any]:
         np.copyto(out, host)
         return out
 
-    return jax.device_put([aligned(h) for h in hosts], shardings)
+    hosts = [aligned(h) for h in hosts]
+    put = host_put()
+    out: list[Any] = [None] * len(hosts)
+    rest = []
+    for i, (host, sharding) in enumerate(zip(hosts, shardings, strict=True)):
+        if put is not None and type(sharding) is jax.sharding.SingleDeviceSharding:
+            out[i] = put(host, sharding)
+        if out[i] is None:
+            rest.append(i)
+    if rest:
+        for i, x in zip(rest, jax.device_put([hosts[i] for i in rest], [shardings[i] for i in rest]), strict=True):
+            out[i] = x
+    return out
 
 
 def groups(items: Iterable[T], nbytes: Callable[[T], int], limit: int = GROUP_BYTES) -> Iterator[list[T]]:

@@ -40,7 +40,7 @@ from checkpoint import _dtypes, _keys
 from checkpoint._errors import CheckpointFormatError, DataLossError
 from checkpoint._storage._crc import crc32c
 from checkpoint._storage._files import read_regular, within
-from checkpoint._storage._host import aligned_empty, held_here, place, release_freed_memory
+from checkpoint._storage._host import aligned_empty, held_here, place, place_many, release_freed_memory
 from checkpoint._storage._orbax_layout import (
     FORMAT,
     META_FILE,
@@ -273,7 +273,7 @@ class OrbaxReader(KeyedReader):
             else:
                 out[key] = self._value(key, e, loaded)
         puts = [k for k, s in requests.items() if s is not None and isinstance(out[k], np.ndarray)]
-        out.update(zip(puts, jax.device_put([out[k] for k in puts], [requests[k] for k in puts]), strict=True))
+        out.update(zip(puts, place_many([out[k] for k in puts], [requests[k] for k in puts]), strict=True))
         return {key: out[key] for key in requests}
 
     def _load(self, want: dict[str, tuple]) -> dict[str, Any]:

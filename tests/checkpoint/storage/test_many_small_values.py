@@ -14,14 +14,16 @@ import textwrap
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 import checkpoint
 import checkpoint.safetensors
 import varstate
-from checkpoint._storage import _host
+from checkpoint._storage import _host, _jax_private
 
 
 @pytest.fixture
@@ -120,7 +122,7 @@ def test_a_forked_child_reads_with_threads_of_its_own():
     # (a pool copied over would count the parent's threads as its own and never run a read: a hang).
     script = textwrap.dedent("""
         import os, signal, sys
-        from checkpoint._storage import _host
+        from checkpoint._storage import _host, _jax_private
         assert [r for _, r in _host.read_ahead([1, 2], lambda x: x * 10, lambda x: 1)] == [10, 20]
         pid = os.fork()
         if pid == 0:
@@ -144,3 +146,70 @@ def test_many_small_values_round_trip_in_both_formats(tmp_path):
         path = checkpoint.Checkpoint(model=model).write(str(tmp_path / fmt), format=fmt)
         restored = checkpoint.Checkpoint(model=templates).restore(path).model
         assert all(np.array_equal(restored[k].value, model[k].value) for k in model)
+
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int8, np.uint32, np.bool_,
+          np.complex64]
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 5)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_placing_on_one_device_gives_what_jax_device_put_gives_without_calling_it(shape, dtype, monkeypatch):
+    # `place_many` puts a value bound for one device through the call jax.device_put ends in (JAX internals): the
+    # array must be jax.device_put's (abstract value, sharding, committed, bits, the host buffer shared).
+    assert _jax_private.host_put() is not None, "this JAX lacks the internals: small restores place through device_put"
+    host = _host.aligned_empty(shape, dtype)
+    host[...] = np.arange(host.size).reshape(shape).astype(dtype)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+    want = jax.device_put(host, sharding)
+    calls = []
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a))
+    (got,) = _host.place_many([host], [sharding])
+    assert calls == []
+    assert (got.aval, got.sharding, got.committed, got.dtype) == (want.aval, want.sharding, True, np.dtype(dtype))
+    assert np.asarray(got).tobytes() == host.tobytes()
+    if host.size:
+        assert got.unsafe_buffer_pointer() == host.ctypes.data  # no copy on CPU
+
+
+def test_values_the_fast_path_leaves_to_jax_device_put(compiles):
+    # int64 (JAX makes it int32 without 64-bit types), a mesh, host memory, no sharding, an unaligned buffer.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    one = jax.devices()[0]
+    cases = [(np.arange(4, dtype=np.int64), jax.sharding.SingleDeviceSharding(one)),
+             (np.arange(16, dtype=np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))),
+             (np.arange(4, dtype=np.float32), jax.sharding.SingleDeviceSharding(one, memory_kind="pinned_host")),
+             (np.arange(4, dtype=np.float32), None),
+             (np.arange(9, dtype=np.float32)[1:5], jax.sharding.SingleDeviceSharding(one))]
+    placed = _host.place_many([h for h, _ in cases], [s for _, s in cases])
+    for (host, sharding), got in zip(cases, placed, strict=True):
+        want = jax.device_put(host, sharding)
+        assert (got.aval, got.sharding, got.committed) == (want.aval, want.sharding, want.committed)
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    # A program compiled for jax.device_put's arrays runs on the fast path's without compiling again.
+    double = jax.jit(lambda x: x * 2)
+    host = _host.aligned_empty((5,), np.float32)
+    host[:] = 1.5
+    sharding = jax.sharding.SingleDeviceSharding(one)
+    double(jax.device_put(host, sharding))
+    before = compiles()
+    assert np.array_equal(np.asarray(double(_host.place_many([host], [sharding])[0])), np.full(5, 3.0, np.float32))
+    assert compiles() == before
+
+
+def test_internals_that_place_otherwise_are_not_used(monkeypatch):
+    shaped, batched = (_jax_private.internal(*where) for where in _jax_private.INTERNALS)
+
+    def elsewhere(aval, sharding, xs, *args):  # places other values: the check against jax.device_put catches it
+        return batched(aval, sharding, [np.zeros_like(x) for x in xs], *args)
+
+    assert _jax_private.checked_put(shaped, batched) is not None
+    assert _jax_private.checked_put(shaped, elsewhere) is None
+    assert _jax_private.checked_put(lambda *a: 1 / 0, batched) is None
+    monkeypatch.setattr(_jax_private, "_PUT", [None])  # as on a JAX whose internals failed the check
+    host = np.arange(3, dtype=np.float32)
+    (got,) = _host.place_many([host], [jax.sharding.SingleDeviceSharding(jax.devices()[0])])
+    assert np.array_equal(np.asarray(got), host) and got.committed
+    monkeypatch.setattr(_jax_private, "_PUT", [])
+    monkeypatch.setattr(_jax_private, "INTERNALS", (*_jax_private.INTERNALS, ("numpy", "not_there")))  # a JAX without
+    assert _jax_private.host_put() is None
