@@ -53,15 +53,21 @@ def checked_put(shaped: Callable[..., Any], batched: Callable[..., Any]) -> Put 
     """`host_put` made of `shaped` (the abstract value type) and `batched` (the placing call), if it places as
     `jax.device_put` does: abstract value, sharding, committed, values."""
     avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
+    numeric: dict[np.dtype, bool] = {}  # JAX holds the dtype (strings and records it refuses, with its message)
 
     def put(host: np.ndarray, sharding: Any) -> Any:
         dtype = host.dtype
-        try:
-            kept = jax.dtypes.canonicalize_dtype(dtype) == dtype  # int64 is not, without 64-bit types
-        except TypeError:  # not a dtype JAX has
-            return None
+        ok = numeric.get(dtype)
+        if ok is None:
+            ok = numeric[dtype] = dtype == np.bool_ or bool(jax.dtypes.issubdtype(dtype, np.number))
+        # int64 is not kept without 64-bit types: jax.device_put makes it int32
+        kept = ok and jax.dtypes.canonicalize_dtype(dtype) == dtype
         (device,) = sharding.device_set
-        if not kept or sharding.memory_kind != device.default_memory().kind:
+        try:
+            default = device.default_memory().kind
+        except (RuntimeError, AttributeError, NotImplementedError):  # a backend without memory kinds
+            return None
+        if not kept or sharding.memory_kind != default:
             return None
         aval = avals.get((host.shape, dtype))
         if aval is None:

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -148,8 +149,8 @@ def test_many_small_values_round_trip_in_both_formats(tmp_path):
         assert all(np.array_equal(restored[k].value, model[k].value) for k in model)
 
 
-DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int8, np.uint32, np.bool_,
-          np.complex64]
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4, np.int8, np.uint32,
+          np.bool_, np.complex64]
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 5)])
@@ -168,8 +169,9 @@ def test_placing_on_one_device_gives_what_jax_device_put_gives_without_calling_i
     assert calls == []
     assert (got.aval, got.sharding, got.committed, got.dtype) == (want.aval, want.sharding, True, np.dtype(dtype))
     assert np.asarray(got).tobytes() == host.tobytes()
-    if host.size:
-        assert got.unsafe_buffer_pointer() == host.ctypes.data  # no copy on CPU
+    if host.size:  # the host buffer is shared where jax.device_put shares it (all but int4, packed two a byte)
+        shares = got.unsafe_buffer_pointer() == host.ctypes.data
+        assert shares == (want.unsafe_buffer_pointer() == host.ctypes.data) and shares == (dtype != ml_dtypes.int4)
 
 
 def test_values_the_fast_path_leaves_to_jax_device_put(compiles):
@@ -186,6 +188,16 @@ def test_values_the_fast_path_leaves_to_jax_device_put(compiles):
         want = jax.device_put(host, sharding)
         assert (got.aval, got.sharding, got.committed) == (want.aval, want.sharding, want.committed)
         assert np.array_equal(np.asarray(got), np.asarray(want))
+    # Asked directly: a dtype JAX has not, and a device without memory kinds, are left to jax.device_put.
+    put = _jax_private.host_put()
+    one_device = jax.sharding.SingleDeviceSharding(one)
+    assert put(np.array(["ab"]), one_device) is None
+
+    class NoMemories:
+        def default_memory(self):
+            raise RuntimeError("this backend has no memory kinds")
+
+    assert put(_host.aligned_empty((2,), np.float32), types.SimpleNamespace(device_set={NoMemories()})) is None
     # A program compiled for jax.device_put's arrays runs on the fast path's without compiling again.
     double = jax.jit(lambda x: x * 2)
     host = _host.aligned_empty((5,), np.float32)
