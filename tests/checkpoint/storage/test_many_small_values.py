@@ -123,7 +123,7 @@ def test_a_forked_child_reads_with_threads_of_its_own():
     # (a pool copied over would count the parent's threads as its own and never run a read: a hang).
     script = textwrap.dedent("""
         import os, signal, sys
-        from checkpoint._storage import _host, _jax_private
+        from checkpoint._storage import _host
         assert [r for _, r in _host.read_ahead([1, 2], lambda x: x * 10, lambda x: 1)] == [10, 20]
         pid = os.fork()
         if pid == 0:
