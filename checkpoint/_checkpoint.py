@@ -137,7 +137,7 @@ def _checked_graph(roots: dict[str, Any], what: str) -> tuple[Any, dict[str, Any
 
     What must agree: the graph (names, structure) and every value's shape and dtype.
     """
-    graph = _graph.build(roots)
+    graph = _graph.graph_of(roots)
     values = _graph.values(graph)
     if _distributed.process_count() > 1:
         kinds = [f"{k}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', type(v).__name__)}"
