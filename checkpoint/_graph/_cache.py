@@ -35,7 +35,7 @@ from varstate.optimizers import OptimizerState
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
 _SCALARS = frozenset({bool, int, float, str})
-_MAX = 8  # structures kept: a loop saves one or two (model and optimizer; an EMA copy)
+_MAX = 4  # structures kept (each its proto and keys): a loop saves one or two (with an EMA copy, or alternating)
 
 # (root names, containers' treedef) -> (marks, graph proto, paths, [(key, attribute, leaf index)])
 _SEEN: dict[tuple, tuple] = {}

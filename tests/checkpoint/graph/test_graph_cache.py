@@ -173,3 +173,13 @@ def test_saves_of_a_training_loop_restore_each_step_values(tmp_path, fmt):
         np.testing.assert_array_equal(status.model["w"].value, want["w"].value)
         np.testing.assert_array_equal(status.model["b"].value, want["b"].value)
         np.testing.assert_array_equal(status.optimizer.get_slot(status.model["w"], "m").value, m)
+
+
+def test_the_cache_holds_the_last_four_structures(builds):
+    models = [{f"w{i}": varstate.Variable(jnp.ones(2), name=f"w{i}")} for i in range(6)]
+    for m in models:
+        same_as_built({"model": m})
+    assert len(_cache._SEEN) == 4 and builds[0] == 6
+    same_as_built({"model": models[-1]})  # kept
+    same_as_built({"model": models[0]})  # the oldest went first
+    assert builds[0] == 7
