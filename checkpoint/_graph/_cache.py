@@ -37,7 +37,8 @@ _ARRAYS = (jax.Array, np.ndarray, np.generic)
 _SCALARS = frozenset({bool, int, float, str})
 _MAX = 4  # structures kept (each its proto and keys): a loop saves one or two (with an EMA copy, or alternating)
 
-# (root names, containers' treedef) -> (marks, graph proto, paths, [(key, attribute, leaf index)])
+# (root names, containers' treedef) -> (marks, graph proto, paths, [(key, attribute, leaf index)], [the leaf
+# indices of each Variable held at several places])
 _SEEN: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()
 
@@ -50,16 +51,23 @@ def graph_of(roots: dict[str, Any]) -> Graph:
         return build(roots)
     key, marks, leaves = flat
     seen = _SEEN.get(key)
-    if seen is not None and seen[0] == marks:
-        _, proto, paths, where = seen
+    # A Variable held at several places is saved once, from the place the walk meets first: the match holds
+    # where every place holds the same version (two versions of one Variable are built, as `build` picks).
+    if seen is not None and seen[0] == marks and all(leaves[i] is leaves[t[0]] for t in seen[4] for i in t):
+        _, proto, paths, where, _ = seen
         return Graph(proto, [Saveable(k, leaves[i], a) for k, a, i in where], paths, [])
     graph = build(roots)
     where = _positions(graph, leaves)
     if where is not None:
+        places: dict[Any, list[int]] = {}
+        for i, x in enumerate(leaves):
+            if type(x) is Variable:
+                places.setdefault(x.handle, []).append(i)
+        tied = [t for t in places.values() if len(t) > 1]
         with _LOCK:  # saves from several threads
             if len(_SEEN) >= _MAX:
                 del _SEEN[next(iter(_SEEN))]
-            _SEEN[key] = (marks, graph.proto, graph.paths, where)
+            _SEEN[key] = (marks, graph.proto, graph.paths, where, tied)
     return graph
 
 

@@ -121,6 +121,19 @@ def test_an_array_that_becomes_a_weight_brings_back_the_optimizer_check(builds):
     assert builds[0] == 2
 
 
+def test_a_tied_variable_takes_the_graph_only_while_its_places_hold_one_version(builds):
+    """Flattened, ``a[0]`` comes before ``b``; walked breadth first (TF's order, which picks the saved place),
+    ``b`` comes first."""
+    w = varstate.Variable(jnp.ones(2), name="tied")
+    same_as_built({"model": {"a": [w], "b": w}})
+    new = w.assign(jnp.full(2, 3.0))
+    same_as_built({"model": {"a": [new], "b": new}})
+    assert builds[0] == 1
+    graph = same_as_built({"model": {"a": [w], "b": new}})  # two versions: the one the walk meets first is saved
+    assert builds[0] == 2
+    assert _graph.values(graph)["model/b/.ATTRIBUTES/VARIABLE_VALUE"] is new.value
+
+
 @pytest.mark.parametrize("kind", ["fused state", "shared array", "nnx-like leaf", "partitioned", "prng key"])
 def test_structures_it_cannot_vouch_for_are_built_every_time(builds, kind):
     w = varstate.Variable(jnp.ones(3), name="w")
