@@ -133,17 +133,32 @@ class _Layout:
             spans[-1].append((offset, host.nbytes))
             offset += host.nbytes + (-(offset + host.nbytes) % ALIGN)
         sizes.append(offset or ALIGN)  # a batch of empty values only: orbax refuses an empty array
-        batches = [np.zeros(size, np.uint8) for size in sizes]  # zeroed: the padding between values
+        batches = [_fresh(size) for size in sizes]
+        views = [b.data for b in batches]
         places = [(batch, start, nbytes) for batch, its in enumerate(spans) for start, nbytes in its]
         for host, (batch, start, nbytes) in zip(hosts, places, strict=True):
             if nbytes:
-                batches[batch][start:start + nbytes] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+                views[batch][start:start + nbytes] = np.ascontiguousarray(host).reshape(-1).view(np.uint8).data
+        # Every byte between and after the values is set: a batch is not zeroed first (its pages are written
+        # once, not twice), and what it held before must not reach the file.
+        for view, its, size in zip(views, spans, sizes, strict=True):
+            ends = [start + nbytes for start, nbytes in its]
+            for end, nxt in zip(ends, [start for start, _ in its[1:]] + [size], strict=True):
+                view[end:nxt] = _ZEROS[:nxt - end]
         crcs = [crc for batch, its in zip(batches, spans, strict=True) for crc in crc32c_spans(batch, its)]
         for (entry, _), (batch, start, _), crc in zip(self.small, places, crcs, strict=True):
             entry["crc32c"] = crc
             entry["pack"], entry["offset"] = batch, start
         tree.update((f"p{i}", batch.view(_Batch)) for i, batch in enumerate(batches))
         return sizes
+
+
+_ZEROS = bytes(ALIGN)  # the most padding after a value (an empty batch's whole)
+
+
+def _fresh(size: int) -> np.ndarray:
+    """An uninitialized batch (`_batches` sets every byte)."""
+    return np.empty(size, np.uint8)
 
 
 def _checksum(value: Any) -> int:

@@ -63,6 +63,21 @@ def test_batches_hold_the_values_back_to_back_as_the_reference_layout(batch_byte
         assert (entry["pack"], entry["offset"], entry["crc32c"]) == (batch, offset, crc), i
 
 
+@pytest.mark.parametrize("batch_bytes", [64 << 20, 100, 1])
+def test_a_batch_holds_nothing_of_what_its_memory_held_before(monkeypatch, batch_bytes):
+    """Batches are not zeroed before the values are copied in: every byte around them is set instead. Given
+    memory full of 0xAA, the batches are still the reference layout, zero padding and all."""
+    monkeypatch.setattr(_orbax_layout, "_fresh", lambda size: np.full(size, 0xAA, np.uint8))
+    values = [np.arange(5, dtype=np.int8), np.zeros(0, np.float32), np.array(True), np.arange(3, dtype=np.float64),
+              np.zeros((2, 0), np.int8)]
+    tree, _ = _orbax_layout.layout({f"k{i}": v for i, v in enumerate(values)}, TrackableObjectGraph(),
+                                      batch_bytes=batch_bytes)
+    batches, _ = _reference_batches(values, batch_bytes)
+    assert [tree[f"p{i}"].tobytes() for i in range(len(batches))] == [b.tobytes() for b in batches]
+    only_empty, _ = _orbax_layout.layout({"a": np.zeros(0, np.float32)}, TrackableObjectGraph())
+    assert only_empty["p0"].tobytes() == bytes(64)
+
+
 def test_only_empty_values_make_one_batch_of_padding():
     tree, meta = _orbax_layout.layout({"a": np.zeros(0, np.float32), "b": np.zeros((2, 0), np.int8)},
                                       TrackableObjectGraph())
