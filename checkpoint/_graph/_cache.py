@@ -57,17 +57,12 @@ def graph_of(roots: dict[str, Any]) -> Graph:
         _, proto, paths, where, _ = seen
         return Graph(proto, [Saveable(k, leaves[i], a) for k, a, i in where], paths, [])
     graph = build(roots)
-    where = _positions(graph, leaves)
-    if where is not None:
-        places: dict[Any, list[int]] = {}
-        for i, x in enumerate(leaves):
-            if type(x) is Variable:
-                places.setdefault(x.handle, []).append(i)
-        tied = [t for t in places.values() if len(t) > 1]
+    found = _positions(graph, leaves)
+    if found is not None:
         with _LOCK:  # saves from several threads
             if len(_SEEN) >= _MAX:
                 del _SEEN[next(iter(_SEEN))]
-            _SEEN[key] = (marks, graph.proto, graph.paths, where, tied)
+            _SEEN[key] = (marks, graph.proto, graph.paths, *found)
     return graph
 
 
@@ -75,11 +70,12 @@ def _structure(roots: dict[str, Any]) -> tuple[tuple, list, list] | None:
     """(cache key, marks, leaves) of `roots`; None where a leaf is of a kind the marks cannot vouch for, or a
     container or optimizer state is met twice (the graph then has one node with two parents, which the
     containers' treedef does not show)."""
+    tree = list(roots.values())
     try:
-        flat = _seam.flatten(list(roots.values()))
+        flat = _seam.flatten(tree)
     except ValueError:  # a dict whose keys do not sort: `build` says which
         return None
-    if flat is None or not _unshared(list(roots.values()), set()):
+    if flat is None or not _unshared(tree, set()):
         return None
     top, c_def = flat
     marks: list[Any] = []
@@ -135,16 +131,16 @@ def _mark(x: Any, marks: list, leaves: list) -> bool:
     return True
 
 
-def _positions(graph: Graph, leaves: list) -> list[tuple[str, str, int]] | None:
-    """(key, attribute, leaf index) of each value of `graph`; None where a value is not one leaf of `leaves`
-    (a PRNG key's implementation, which is no leaf; shards; an object met twice, whose places cannot be told
-    apart)."""
-    first_of: dict[Any, int] = {}
+def _positions(graph: Graph, leaves: list) -> tuple[list[tuple[str, str, int]], list[list[int]]] | None:
+    """(key, attribute, leaf index) of each value of `graph`, and the leaf indices of each Variable held at several
+    places; None where a value is not one leaf of `leaves` (a PRNG key's implementation, which is no leaf;
+    shards; an object met twice, whose places cannot be told apart)."""
+    places: dict[Any, list[int]] = {}  # a Variable's handle -> its places
     ids: dict[int, int] = {}
     shared: set[int] = set()
     for i, x in enumerate(leaves):
         if type(x) is Variable:
-            first_of.setdefault(x.handle, i)
+            places.setdefault(x.handle, []).append(i)
         elif id(x) in ids:
             shared.add(id(x))
         else:
@@ -153,8 +149,11 @@ def _positions(graph: Graph, leaves: list) -> list[tuple[str, str, int]] | None:
     for s in graph.saveables:
         if id(s.obj) in shared:
             return None
-        at = first_of.get(s.obj.handle) if type(s.obj) is Variable else ids.get(id(s.obj))
+        if type(s.obj) is Variable:
+            at = places[s.obj.handle][0] if s.obj.handle in places else None
+        else:
+            at = ids.get(id(s.obj))
         if at is None or leaves[at] is not s.obj:
             return None
         where.append((s.key, s.attribute, at))
-    return where
+    return where, [t for t in places.values() if len(t) > 1]

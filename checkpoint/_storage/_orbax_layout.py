@@ -142,9 +142,8 @@ class _Layout:
         # Every byte between and after the values is set: a batch is not zeroed first (its pages are written
         # once, not twice), and what it held before must not reach the file.
         for view, its, size in zip(views, spans, sizes, strict=True):
-            ends = [start + nbytes for start, nbytes in its]
-            for end, nxt in zip(ends, [start for start, _ in its[1:]] + [size], strict=True):
-                view[end:nxt] = _ZEROS[:nxt - end]
+            for (start, nbytes), nxt in zip(its, [start for start, _ in its[1:]] + [size], strict=True):
+                view[start + nbytes:nxt] = _ZEROS[:nxt - start - nbytes]
         crcs = [crc for batch, its in zip(batches, spans, strict=True) for crc in crc32c_spans(batch, its)]
         for (entry, _), (batch, start, _), crc in zip(self.small, places, crcs, strict=True):
             entry["crc32c"] = crc
