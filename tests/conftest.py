@@ -32,8 +32,35 @@ import varstate  # noqa: E402
 CACHE_ENTRY_MID_WRITE = "ignore:Error reading persistent compilation cache entry:UserWarning"
 
 
+# Modules of few tests that take long (child processes, a barrier's timeout), run before the others (below).
+LONG_FEW = (
+    "multiprocess/test_group.py", "test_small_examples.py", "checkpoint/storage/test_restore_memory.py",
+    "checkpoint/keras/test_keras_hdf5_bounded.py", "multiprocess/test_example.py", "test_train_example.py",
+    "multiprocess/test_dead_peer.py", "checkpoint/keras/test_keras_adafactor_muon_files.py", "test_export_example.py",
+    "test_from_keras_example.py",
+)
+
+
 def pytest_configure(config):
     config.addinivalue_line("filterwarnings", CACHE_ENTRY_MID_WRITE)  # after pyproject's "error": it wins
+    # xdist's `--dist loadfile` hands out modules by their number of tests, most first: a module of four tests
+    # that runs 30 s of child processes went out near the end and ended the run alone. The order is ours instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules in `LONG_FEW` first, in its order, then the others by their number of tests, most first (xdist's
+    own order)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    missing = [m for m in LONG_FEW if not os.path.isfile(os.path.join(here, m))]
+    assert not missing, f"tests/conftest.py's LONG_FEW names modules that are gone: {missing}"
+    rank = {os.path.join(here, m): i for i, m in enumerate(LONG_FEW)}
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(str(item.path), []).append(item)
+    order = sorted(modules.items(), key=lambda m: (rank.get(m[0], len(rank)), -len(m[1])))
+    items[:] = [item for _, its in order for item in its]
 
 
 def pytest_xdist_auto_num_workers(config):

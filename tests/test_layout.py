@@ -18,6 +18,7 @@
 """
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -62,7 +63,7 @@ def _imports(module: str) -> list[tuple[str, str | None, int]]:
     base = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
-        if _type_checking_only(node, parents):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or _type_checking_only(node, parents):
             continue
         if isinstance(node, ast.Import):
             out.extend((alias.name, None, node.lineno) for alias in node.names)
@@ -77,19 +78,20 @@ def _imports(module: str) -> list[tuple[str, str | None, int]]:
     return out
 
 
-EDGES = {m: _imports(m) for m in MODULES}
+# Parsed when a test first asks (a module's import costs every xdist worker that collects it).
+edges = functools.cache(_imports)
 
 
 def test_the_sources_are_found():
     assert "checkpoint._storage._bundle" in MODULES and "varstate._seam" in MODULES
     # The parser resolves `from pkg import module` to the module, and names to their module.
-    assert ("checkpoint._graph._walk", None) in {(t, n) for t, n, _ in EDGES["checkpoint._graph._match"]}
-    assert ("checkpoint._keys", None) in {(t, n) for t, n, _ in EDGES["checkpoint._checkpoint"]}
-    assert ("varstate._seam", None) in {(t, n) for t, n, _ in EDGES["checkpoint._graph._build"]}
+    assert ("checkpoint._graph._walk", None) in {(t, n) for t, n, _ in edges("checkpoint._graph._match")}
+    assert ("checkpoint._keys", None) in {(t, n) for t, n, _ in edges("checkpoint._checkpoint")}
+    assert ("varstate._seam", None) in {(t, n) for t, n, _ in edges("checkpoint._graph._build")}
 
 
 def test_no_import_cycles():
-    graph = {m: sorted({t for t, _, _ in EDGES[m] if t in MODULES and t != m}) for m in MODULES}
+    graph = {m: sorted({t for t, _, _ in edges(m) if t in MODULES and t != m}) for m in MODULES}
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -113,7 +115,7 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_import_directions(module):
     errors = []
-    for target, name, line in EDGES[module]:
+    for target, name, line in edges(module):
         where = f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}{'.' + name if name else ''}"
         top = target.split(".")[0]
         if module.startswith("varstate") and top == "checkpoint":
