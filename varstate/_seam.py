@@ -11,9 +11,9 @@ and a reader of `checkpoint/` sees exactly what it relies on:
 - saved dtype: the dtype a checkpoint stores for a Variable when it differs
   from the value's (TF's int64 counters while JAX's 64-bit types are off);
   restore records the dtype each value was stored in, so it saves back so;
-- structure: a tree flattened over Python's containers alone, and an
-  optimizer state's parts, which tell a save that its roots have the
-  structure of the last save's (`checkpoint/_graph/_cache.py`).
+- structure: a tree flattened over Python's containers and optimizer
+  states, which tells a save that its roots have the structure of the last
+  save's (`checkpoint/_graph/_cache.py`).
 
 >>> import jax.numpy as jnp, varstate
 >>> from varstate import _seam
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from varstate._variable import Variable, derived
-from varstate.optimizers._core._state import CONTAINERS, OptimizerState
+from varstate.optimizers._core._state import CONTAINERS
 
-__all__ = ["flatten", "record_saved_dtype", "saved_dtype", "slot_link", "state_parts", "with_value"]
+__all__ = ["flatten", "record_saved_dtype", "saved_dtype", "slot_link", "with_value"]
 
 
 def with_value(var: Variable, value: Any) -> Variable:
@@ -42,17 +42,10 @@ def with_value(var: Variable, value: Any) -> Variable:
 
 
 def flatten(tree: Any) -> tuple[list, Any] | None:
-    """(leaves, treedef) of `tree` over Python's containers alone (dicts, lists, tuples, named tuples, None), in
-    C: a Variable, an optimizer state and every other object is a leaf. None where JAX cannot make such a
-    registry."""
+    """(leaves, treedef) of `tree` over Python's containers (dicts, lists, tuples, named tuples, None) and the
+    optimizer step's own nodes (an optimizer state's parts, packed params, an AutoCastVariable's Variable), in C:
+    a Variable and every other object is a leaf. None where JAX cannot make such a registry."""
     return None if CONTAINERS is None else CONTAINERS.flatten(tree)
-
-
-def state_parts(state: OptimizerState) -> tuple | None:
-    """(slots as stored, non-slots, packed buffers, traced hyperparameters) of `state`; None for a fused state,
-    whose slots are views of its packed buffers."""
-    parts = state._made()
-    return None if parts[2] else parts
 
 
 def slot_link(var: Variable) -> tuple[int, str] | None:

@@ -11,12 +11,14 @@ the new roots are the same structure to the last detail the graph depends on:
   other fixed attribute: handles are immutable and compared by identity),
   else the leaf's type, and for an array whether it is a scalar (which
   decides what counts as a model's weight for the optimizer check);
-- inside each optimizer state, the same for its parts (slots, non-slots).
+- an optimizer state is opened by that flatten: its parts (slots, non-slots,
+  a fused state's buffers) are containers and leaves like the others.
 
 Anything else, an nnx Module, a PartitionedVariable, an AutoCastVariable, a
-fused optimizer state, a custom pytree, a PRNG key, is built afresh every
-time. On a match the graph's proto is shared and its values are read from the
-new leaves, by the position each value's leaf had when the graph was built.
+fused optimizer state (its saved slots are views, no leaf: `_positions`
+refuses them), a custom pytree, a PRNG key, is built afresh every time.
+On a match the graph's proto is shared and its values are read from the new
+leaves, by the position each value's leaf had when the graph was built.
 Nothing kept holds a value or keeps a Variable's handle alive.
 """
 
@@ -80,17 +82,8 @@ def _structure(roots: dict[str, Any]) -> tuple[tuple, list, list] | None:
     top, c_def = flat
     marks: list[Any] = []
     leaves: list[Any] = []
-    for x in top:
-        if type(x) is OptimizerState:
-            parts = _seam.state_parts(x)
-            inner = None if parts is None else _seam.flatten(parts)
-            if inner is None:
-                return None
-            marks.append(inner[1])  # the parts' treedef: slot and non-slot names, the params' structure
-            if not all(_mark(y, marks, leaves) for y in inner[0]):
-                return None
-        elif not _mark(x, marks, leaves):
-            return None
+    if not all(_mark(x, marks, leaves) for x in top):
+        return None
     return (tuple(roots), c_def), marks, leaves
 
 
