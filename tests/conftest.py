@@ -3,6 +3,7 @@
 import gc
 import importlib.util
 import os
+import sys
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -63,6 +64,7 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for _, its in order for item in its]
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with -p no:xdist has none
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker more than the cores this process may run on (xdist's own count when
     PYTEST_XDIST_AUTO_NUM_WORKERS is set).
@@ -75,6 +77,22 @@ def pytest_xdist_auto_num_workers(config):
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """An xdist worker leaves without the interpreter's exit: its results are sent by now (xdist writes its last
+    message, "workerfinished", to the pipe and flushes it in `pytest_sessionfinish`, before this hook).
+
+    That exit spent 4-5 s of every run's end doing nothing useful: jax's atexit hook destroys each worker's
+    thousands of compiled programs (about 1.5 ms each) and the interpreter then frees the worker's 800,000
+    objects, while the controller waits for all three workers. Measured on 2 cores, warm (2026-12-08): the last
+    worker's end to the controller's 5.3 s before, 0.7 s after. A run without xdist exits as usual.
+    """
+    if hasattr(config, "workerinput"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # What jax offers no public way to ask, read from private JAX: the tests' one door to jax._src (tests/test_layout.py

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -71,7 +72,8 @@ def saved(tmp_path_factory):
     sums = {k: float(np.asarray(v.value, np.float64).sum()) for k, v in model.items()}
     paths = {"orbax": checkpoint.Checkpoint(model=model).write(str(root / "orbax")),
              "tf": checkpoint.Checkpoint(model=model).write(str(root / "tf"), format="tf")}
-    return paths, sums
+    yield paths, sums
+    shutil.rmtree(root)  # 512 MiB: more than the rest of the suite leaves behind
 
 
 @pytest.mark.parametrize("layout", ["one", "mesh"])
