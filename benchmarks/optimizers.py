@@ -2,9 +2,9 @@
 
 Run by hand: ``.venv/bin/python -m benchmarks.optimizers`` (over 15 minutes on 2 CPU cores, most of it
 compiling steps over 1,000 tensors). First the default path's rows (issue 25): Adam as ``init(params)`` makes
-it, no ``fused=``, against ``optax.adam`` in the four setups below of each size, all eight runners of a size
-taking turns in rounds of bursts (`_paired`); target <= 1.0x in each, varstate's slowest setup within 10% of its
-fastest. Then the full table. Setups: Adam on 1,000 x 16x4 and 200 x 256x64, params as a list and as a
+it, no ``fused=``, against ``optax.adam`` in the four setups below of each size, each setup in a fresh process
+where the two take turns in rounds of bursts (`_paired`); target <= 1.0x in each, varstate's slowest setup within
+10% of its fastest. Then the full table. Setups: Adam on 1,000 x 16x4 and 200 x 256x64, params as a list and as a
 dict, gradients fresh from ``jnp.full`` and made by a jitted function, each unfused and fused
 (``init(params, fused=True)``), then fused against unfused over one total size split into params of several
 sizes (where packing pays, which sets `FUSE_MAX_SIZE`). Times are the minimum over repeats of the
@@ -16,7 +16,8 @@ Last, the sweep row: 8 learning rates as one vmapped, jitted step over stacked r
 Python loop over 8 optimizers, wall time and compiles. ``--accelerator-rows`` runs only the rows issue 15 asks
 of a GPU (see benchmarks/gpu.sh); ``--default-path`` only the default path's rows (about 3 minutes);
 ``--sweep`` only the sweep row; ``--first-step`` only the first-step row (a fresh process per contender);
-``--mixed-precision`` only the AutoCastVariable row.
+``--mixed-precision`` only the AutoCastVariable row; ``--compile-order`` why the default path's setups
+run in processes of their own (`compile_order_row`).
 """
 
 from __future__ import annotations
@@ -158,35 +159,86 @@ def _paired(runners, rounds, burst):
     return {name: np.array(t) for name, t in times.items()}
 
 
-def default_rows(rounds=48, burst=5):
+DEFAULT_SIZES = {"1000 x 16x4": (1000, (16, 4)), "200 x 256x64": (200, (256, 64))}
+
+
+def default_setup(size, container, grads_from, rounds=40, burst=5):
+    """One setup of the default path's rows, in this process: varstate's Adam (``init(params)``) and optax.adam
+    taking turns (`_paired`); prints {"varstate": [...], "optax": [...]} (each round's mean step seconds) as JSON."""
+    import json
+
+    count, shape = DEFAULT_SIZES[size]
+    arrange, grads = _setup(count, shape, container, grads_from)
+    opt = Adam(1e-3)
+    params = arrange([varstate.Variable(jnp.zeros(shape), name=f"d{i}") for i in range(count)])
+    tx = optax.adam(1e-3)
+    step = _optax_step(tx)
+    arrays = arrange([jnp.zeros(shape) for _ in range(count)])
+    runners = {"varstate": (lambda c: opt.apply_gradients(grads, *c), (params, opt.init(params))),
+               "optax": (lambda c: step(*c, grads), (arrays, tx.init(arrays)))}
+    print(json.dumps({name: t.tolist() for name, t in _paired(runners, rounds, burst).items()}))
+
+
+def compile_order_row():
+    """Why `default_rows` runs each setup in its own process, without varstate: optax.adam's step jitted twice,
+    one for gradients of a weak float32 type (``jnp.full(shape, 0.01)``) and one for a strong one (a jitted
+    function's output), both stepped in turns; a fresh process per compile order. Prints the median step ms."""
+    import subprocess
+
+    for first in ("weak", "strong"):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.optimizers", "--compile-order-child", first],
+                              capture_output=True, text=True, check=True)
+        print(done.stdout.strip(), flush=True)
+
+
+def _compile_order_child(first, count=1000, shape=(16, 4), rounds=30, burst=5):
+    weak = [jnp.full(shape, 0.01) for _ in range(count)]
+    strong = _jitted_full([jnp.zeros(shape) for _ in range(count)])
+    assert weak[0].weak_type and not strong[0].weak_type
+    tx = optax.adam(1e-3)
+    grads = {"weak": weak, "strong": strong}
+    order = [first, "strong" if first == "weak" else "weak"]
+    runners = {}
+    for kind in order:  # compiled in this order by _paired's first steps
+        step, arrays = _optax_step(tx), [jnp.zeros(shape) for _ in range(count)]
+        runners[kind] = (lambda c, step=step, g=grads[kind]: step(*c, g), (arrays, tx.init(arrays)))
+    t = _paired(runners, rounds, burst)
+    print(f"optax.adam, {count} x {shape[0]}x{shape[1]}, compiled first with {order[0]} gradients: "
+          + ", ".join(f"{kind} {np.median(t[kind]) * 1e3:.2f} ms" for kind in order))
+
+
+def default_rows():
     """Issue 25's default path: Adam as ``Adam(lr).init(params)`` makes it (no ``fused=``) against optax.adam,
-    both jitted with donation, in the four setups of each size, all eight runners stepped in every round."""
-    print(f"default path: Adam(1e-3).init(params) against optax.adam, jitted with donation; {rounds} rounds, "
-          f"{burst} steps of each of the 8 runners of a size per round; median step ms; ours/adam: median of the "
-          "per-round ratios; target <= 1.0 each, varstate's slowest setup within 10% of its fastest")
+    both jitted with donation, in the four setups of each size; each setup in a fresh process, as a training
+    process has one model and one step.
+
+    In one process, every setup's program is one more executable, and which of them runs slower depends on the
+    order they were compiled in: with all eight setups of a size in one process, the varstate setup compiled
+    second ran 10-25% slower than the first. Without varstate too (`compile_order_row`): optax's own step,
+    jitted twice and called with gradients of a weak and of a strong float32 type, ran 9-20% slower in
+    whichever of the two was compiled second; the same gradients through two jit functions did not. The
+    setups are compared with each other through their processes' medians.
+    """
+    import json
+    import subprocess
+
+    print("default path: Adam(1e-3).init(params) against optax.adam, jitted with donation; a fresh process per "
+          "setup, 40 rounds of 5 steps of each per round; median step ms; ours/adam: median of the per-round "
+          "ratios; target <= 1.0 each, varstate's slowest setup within 10% of its fastest")
     print(f"{'setup':<34}{'varstate':>10}{'optax.adam':>12}{'ours/adam':>11}")
-    for count, shape in [(1000, (16, 4)), (200, (256, 64))]:
-        runners, labels = {}, []
+    for size in DEFAULT_SIZES:
+        ours, ref = {}, {}
         for container in ("list", "dict"):
             for grads_from in ("full", "jit"):
-                arrange, grads = _setup(count, shape, container, grads_from)
-                opt = Adam(1e-3)
-                params = arrange([varstate.Variable(jnp.zeros(shape), name=f"d{i}") for i in range(count)])
-                tx = optax.adam(1e-3)
-                step = _optax_step(tx)
-                arrays = arrange([jnp.zeros(shape) for _ in range(count)])
+                done = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.optimizers", "--default-setup", size, container, grads_from],
+                    capture_output=True, text=True, check=True)
+                t = {name: np.array(v) for name, v in json.loads(done.stdout.splitlines()[-1]).items()}
                 label = (container, grads_from)
-                labels.append(label)
-                runners["varstate", label] = (
-                    lambda c, opt=opt, grads=grads: opt.apply_gradients(grads, *c), (params, opt.init(params)))
-                runners["optax", label] = (lambda c, step=step, grads=grads: step(*c, grads), (arrays, tx.init(arrays)))
-        t = _paired(runners, rounds, burst)
-        ours = {label: np.median(t["varstate", label]) for label in labels}
-        ref = {label: np.median(t["optax", label]) for label in labels}
-        for label in labels:
-            ratio = np.median(t["varstate", label] / t["optax", label])
-            print(f"{f'{count} x {shape[0]}x{shape[1]}, {label[0]}, grads {label[1]}':<34}{ours[label] * 1e3:>10.2f}"
-                  f"{ref[label] * 1e3:>12.2f}{ratio:>11.3f}")
+                ours[label], ref[label] = np.median(t["varstate"]), np.median(t["optax"])
+                ratio = np.median(t["varstate"] / t["optax"])
+                print(f"{f'{size}, {container}, grads {grads_from}':<34}{ours[label] * 1e3:>10.2f}"
+                      f"{ref[label] * 1e3:>12.2f}{ratio:>11.3f}", flush=True)
         print(f"    slowest / fastest setup: varstate {max(ours.values()) / min(ours.values()):.3f}, "
               f"optax.adam {max(ref.values()) / min(ref.values()):.3f}", flush=True)
     print()
@@ -498,6 +550,12 @@ def first_step_rows(count=1000, rounds=2):
 
 
 def main():
+    if sys.argv[1:] == ["--compile-order"]:
+        return compile_order_row()
+    if sys.argv[1:2] == ["--compile-order-child"]:
+        return _compile_order_child(sys.argv[2])
+    if sys.argv[1:2] == ["--default-setup"]:
+        return default_setup(*sys.argv[2:5])
     if sys.argv[1:] == ["--first-step"]:
         return first_step_rows()
     if sys.argv[1:] == ["--mixed-precision"]:
