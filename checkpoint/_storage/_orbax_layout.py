@@ -92,6 +92,12 @@ class _Layout:
         sizes = self._batches(tree)
         tree.update((entry["array"], value) for entry, value in self.large)
         # crc32c releases the GIL (_crc.py): a large array's checksum runs beside the others' and beside orbax's write.
+        # jaxlib builds an array's list of shards when first asked, without a lock in this JAX: a thread asking at
+        # the same moment (the checksum below, while `_shard_checksums` asks here) can find it half built
+        # (IndexError from jax's copy_to_host_async, once in a suite run). Built here, before any thread starts.
+        for _, value in self.large:
+            if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
+                value.addressable_shards  # noqa: B018 (asked for its side effect)
         pool = shared_pool("checkpoint-crc", os.cpu_count() or 1)
         whole = [(entry, pool.submit(_checksum, value)) for entry, value in self.large
                  if self.one_process or on_every_host(value)]
