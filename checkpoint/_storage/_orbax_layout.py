@@ -92,9 +92,9 @@ class _Layout:
         sizes = self._batches(tree)
         tree.update((entry["array"], value) for entry, value in self.large)
         # crc32c releases the GIL (_crc.py): a large array's checksum runs beside the others' and beside orbax's write.
-        # jaxlib builds an array's list of shards when first asked, without a lock in this JAX: a thread asking at
-        # the same moment (the checksum below, while `_shard_checksums` asks here) can find it half built
-        # (IndexError from jax's copy_to_host_async, once in a suite run). Built here, before any thread starts.
+        # jaxlib builds an array's list of shards when first asked (without a lock in older sources): a checksum
+        # thread asking while `_shard_checksums` asks here most likely found it half built (an IndexError inside
+        # jax's copy_to_host_async, once in a suite run). Built here, before any thread starts.
         for _, value in self.large:
             if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
                 value.addressable_shards  # noqa: B018 (asked for its side effect)
