@@ -14,12 +14,16 @@
 - `checkpoint/` holds only the verbs at its top level and `varstate/optimizers/` only the TF v1 optimizers and
   their helpers (`FLAT_MODULES`): a new flat module is added there deliberately, or goes into a folder;
 - every public module (`PUBLIC_MODULES`) has `__all__`, and its other top-level names are underscored or
-  submodules, so `dir()` of it shows its API and no `np` or `os`.
+  submodules, so `dir()` of it shows its API and no `np` or `os`;
+- the suite itself runs without xdist (`-p no:xdist`, for a debugger), as pyproject.toml says: tests/conftest.py's
+  xdist hooks are optional there.
 """
 
 import ast
 import functools
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -276,3 +280,11 @@ def test_public_modules_show_their_api_only(module):
                       f"as `_{name}` (e.g. `import numpy as _np`), move the code using it to a private module, or "
                       "add it to __all__ if it is public")
     assert not errors, "\n".join(errors)
+
+
+def test_the_suite_collects_without_xdist():
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "--collect-only",
+                           "tests/test_layout.py::test_the_sources_are_found"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "tests/test_layout.py::test_the_sources_are_found" in done.stdout
