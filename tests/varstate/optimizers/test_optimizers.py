@@ -306,14 +306,16 @@ def test_no_recompile_after_the_first_step_and_donation_honoured(name, compiles)
 @pytest.mark.parametrize("name", sorted(EVERY_SLOT))
 def test_slots_are_named_linked_and_keep_their_identity(name):
     opt = ALL[name]()
+    # The params and gradients of the no-recompile test above: its compiled step serves this one.
     w = Variable(jnp.ones((3, 2)), name="dense/kernel")
-    state = opt.init({"w": w})
+    given = {"w": w, "b": Variable(jnp.zeros(2), name="dense/bias")}
+    state = opt.init(given)
     slot_ids = {n: state.get_slot(w, n).resource_id for n in state.get_slot_names()}
     for n in state.get_slot_names():
         slot = state.get_slot(w, n)
         assert slot.name == f"{w.name}/{n}" and w.name.startswith("dense/kernel")
         assert slot.handle.slot_of == w.resource_id and slot.shape == SLOT_SHAPES.get(name, {}).get(n, w.shape)
-    params, state = opt.apply_gradients({"w": jnp.ones((3, 2))}, {"w": w}, state)
+    params, state = opt.apply_gradients({"w": jnp.ones((3, 2)), "b": jnp.ones(2)}, given, state)
     assert {n: state.get_slot(params["w"], n).resource_id for n in state.get_slot_names()} == slot_ids
     assert params["w"].resource_id == w.resource_id
     assert state.get_slot(Variable(0.0), state.get_slot_names()[0] if slot_ids else "m") is None
@@ -337,13 +339,19 @@ def test_update_inside_a_callers_jit_equals_apply_gradients(name):
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_plain_array_params_get_plain_array_slots(name):
     opt = ALL[name]()
-    arrays = {"w": jnp.arange(4.0)}
+    # The shapes of the no-recompile test above: the Variables' step is compiled once for both tests.
+    def fresh():  # the step donates plain array params: each path its own
+        return {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.arange(2.0)}
+
+    grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    arrays = fresh()
     state = opt.init(arrays)
     assert not any(_is_var(x) for x in jax.tree.leaves(state.slots, is_leaf=_is_var))
-    new, _ = opt.apply_gradients({"w": jnp.ones(4)}, arrays, state)
-    v = Variable(jnp.arange(4.0), name="w")
-    via_var, _ = opt.apply_gradients({"w": jnp.ones(4)}, {"w": v}, opt.init({"w": v}))
-    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(via_var["w"].value))
+    new, _ = opt.apply_gradients(grads, arrays, state)
+    vs = {k: Variable(x, name=k) for k, x in fresh().items()}
+    via_var, _ = opt.apply_gradients(grads, vs, opt.init(vs))
+    for k in vs:
+        np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(via_var[k].value))
 
 
 # --- hyperparameters and step ---------------------------------------------------------------------
