@@ -183,20 +183,22 @@ def compile_order_row():
     """Why `default_rows` runs each setup in its own process, without varstate: optax.adam's step jitted twice,
     one for gradients of a weak float32 type (``jnp.full(shape, 0.01)``) and one for a strong one (a jitted
     function's output), both stepped in turns; a fresh process per compile order. Prints the median step ms."""
+    for first in ("weak", "strong"):
+        print(_in_child("--compile-order-child", first).strip(), flush=True)
+
+
+def _in_child(*args: str) -> str:
+    """The stdout of this module run with `args` in a fresh Python process."""
     import subprocess
 
-    for first in ("weak", "strong"):
-        done = subprocess.run([sys.executable, "-m", "benchmarks.optimizers", "--compile-order-child", first],
-                              capture_output=True, text=True, check=True)
-        print(done.stdout.strip(), flush=True)
+    return subprocess.run([sys.executable, "-m", "benchmarks.optimizers", *args],
+                          capture_output=True, text=True, check=True).stdout
 
 
 def _compile_order_child(first, count=1000, shape=(16, 4), rounds=30, burst=5):
-    weak = [jnp.full(shape, 0.01) for _ in range(count)]
-    strong = _jitted_full([jnp.zeros(shape) for _ in range(count)])
-    assert weak[0].weak_type and not strong[0].weak_type
+    grads = {"weak": _setup(count, shape, "list", "full")[1], "strong": _setup(count, shape, "list", "jit")[1]}
+    assert grads["weak"][0].weak_type and not grads["strong"][0].weak_type
     tx = optax.adam(1e-3)
-    grads = {"weak": weak, "strong": strong}
     order = [first, "strong" if first == "weak" else "weak"]
     runners = {}
     for kind in order:  # compiled in this order by _paired's first steps
@@ -220,7 +222,6 @@ def default_rows():
     setups are compared with each other through their processes' medians.
     """
     import json
-    import subprocess
 
     print("default path: Adam(1e-3).init(params) against optax.adam, jitted with donation; a fresh process per "
           "setup, 40 rounds of 5 steps of each per round; median step ms; ours/adam: median of the per-round "
@@ -230,10 +231,8 @@ def default_rows():
         ours, ref = {}, {}
         for container in ("list", "dict"):
             for grads_from in ("full", "jit"):
-                done = subprocess.run(
-                    [sys.executable, "-m", "benchmarks.optimizers", "--default-setup", size, container, grads_from],
-                    capture_output=True, text=True, check=True)
-                t = {name: np.array(v) for name, v in json.loads(done.stdout.splitlines()[-1]).items()}
+                out = _in_child("--default-setup", size, container, grads_from)
+                t = {name: np.array(v) for name, v in json.loads(out.splitlines()[-1]).items()}
                 label = (container, grads_from)
                 ours[label], ref[label] = np.median(t["varstate"]), np.median(t["optax"])
                 ratio = np.median(t["varstate"] / t["optax"])
